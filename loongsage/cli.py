@@ -1,0 +1,126 @@
+"""The `loongsage` command line. Subcommands import their machinery lazily, so `--help` is instant."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _engine(ns: argparse.Namespace) -> None:
+    from loongsage.engine.config import EngineConfig
+    from loongsage.engine.launch import serve
+
+    cfg = EngineConfig(dtype=ns.dtype, device=ns.device, max_running=ns.max_running,
+                       context_length=ns.context_length, max_prefill_tokens=ns.max_prefill_tokens,
+                       threads=ns.threads, prefix_cache=not ns.no_prefix_cache, weight_version=ns.weight_version)
+    serve(ns.model, ns.host, ns.port, cfg, log_level=ns.log_level)
+
+
+def _demo(ns: argparse.Namespace) -> None:
+    from loongsage.config import load_config
+    from loongsage.demo import run_demo
+
+    config, overrides = _split_config(ns, "recipes/engine_demo.yaml")
+    run_demo(load_config(config, overrides))
+
+
+def _split_config(ns: argparse.Namespace, default: str) -> tuple[str, list[str]]:
+    """`CONFIG key=value ...` where CONFIG may be left out (then the first item is an override)."""
+    if ns.config is not None and "=" in ns.config:
+        return default, [ns.config, *ns.overrides]
+    return ns.config or default, list(ns.overrides)
+
+
+def _make_model(ns: argparse.Namespace) -> None:
+    from loongsage.config import apply_override, parse_override
+    from loongsage.models.factory import TinyModelSpec, build_tiny_model
+
+    data: dict = {}
+    for item in ns.overrides:
+        apply_override(data, *parse_override(item))
+    spec = _validated(TinyModelSpec, data, "model")
+    path = build_tiny_model(ns.out, spec)
+    print(f"wrote {spec.arch} model ({spec.hidden_size}x{spec.num_layers}) to {path}")
+
+
+def _data(ns: argparse.Namespace) -> None:
+    from loongsage.config import apply_override, parse_override
+    from loongsage.tasks.config import TaskConfig
+    from loongsage.tasks.prepare import prepare_data
+
+    data: dict = {"name": ns.task, "data_dir": ns.out}
+    for item in ns.overrides:
+        apply_override(data, *parse_override(item))
+    cfg = _validated(TaskConfig, data, "task")
+    train, evals = prepare_data(cfg)
+    print(f"{cfg.name}: {len(train)} train rows, {len(evals)} eval rows under {cfg.data_dir}")
+
+
+def _validated(schema, data: dict, prefix: str):
+    from pydantic import ValidationError
+
+    from loongsage.config import ConfigError, format_error
+
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{prefix}.{format_error(exc, schema)}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="loongsage", description="Agent-native, fully asynchronous RL for LLMs.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    e = sub.add_parser("engine", help="serve an HF causal LM over SGLang's HTTP protocol (embedded engine)",
+                       description="Serve an HF causal-LM folder over the SGLang HTTP protocol "
+                                   "(/generate, weight updates, pause/continue, memory release).")
+    e.add_argument("--model", required=True, help="HF model folder")
+    e.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    e.add_argument("--port", type=int, default=30000)
+    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--max-running", type=int, default=64, help="KV slots: sequences decoded together")
+    e.add_argument("--context-length", type=int, default=None)
+    e.add_argument("--max-prefill-tokens", type=int, default=4096)
+    e.add_argument("--threads", type=int, default=None, help="torch threads")
+    e.add_argument("--weight-version", default="0")
+    e.add_argument("--no-prefix-cache", action="store_true")
+    e.add_argument("--log-level", default="warning")
+    e.set_defaults(fn=_engine)
+
+    d = sub.add_parser("demo", help="run the engine demo recipe (tiny model, task data, engine, verifier)",
+                       description="Run the embedded-engine demo from a recipe YAML plus key=value overrides.")
+    d.add_argument("config", nargs="?", default=None, help="recipe YAML (default recipes/engine_demo.yaml)")
+    d.add_argument("overrides", nargs="*", help="dotted overrides, e.g. demo.num_prompts=16")
+    d.set_defaults(fn=_demo)
+
+    m = sub.add_parser("make-model", help="build a tiny real-architecture HF model + char tokenizer",
+                       description="Build a seeded tiny model (Qwen3/Qwen2/Llama) and save it in HF format.")
+    m.add_argument("out", help="output folder")
+    m.add_argument("overrides", nargs="*", help="spec overrides, e.g. arch=llama hidden_size=256 num_layers=4")
+    m.set_defaults(fn=_make_model)
+
+    t = sub.add_parser("data", help="generate a built-in task's train/eval jsonl files",
+                       description="Generate a built-in task's data set (train and disjoint held-out eval).")
+    t.add_argument("task", help="arithmetic | calculator | reverse")
+    t.add_argument("--out", default=".cache/loongsage/data")
+    t.add_argument("overrides", nargs="*", help="task overrides, e.g. train_size=500 params.digits=4")
+    t.set_defaults(fn=_data)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loongsage.config import ConfigError
+
+    ns = build_parser().parse_args(argv)
+    try:
+        ns.fn(ns)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

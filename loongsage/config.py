@@ -1,0 +1,131 @@
+"""Run configuration: one schema composed of the components' own configs, loaded from YAML plus
+dotted command-line overrides (`engine.max_running=32`), validated before anything starts.
+
+Every problem is one line naming the key and what was expected (`ConfigError`).
+"""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loongsage.engine.config import EngineConfig
+from loongsage.models.config import ModelConfig
+from loongsage.rollout.config import SamplingConfig
+from loongsage.tasks.config import TaskConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, as one line naming the key."""
+
+
+class DemoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_prompts: int = Field(64, ge=1)
+
+
+class RunConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "run"
+    run_dir: str | None = None  # default: runs/<name>-<time>
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    engine: EngineConfig = EngineConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    demo: DemoConfig = DemoConfig()
+
+    @model_validator(mode="after")
+    def _fits_context(self) -> "RunConfig":
+        ctx = self.engine.context_length or self.model.tiny.max_position_embeddings
+        if self.model.path is None and self.sampling.max_new_tokens >= ctx:
+            raise ValueError(f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) must be below the "
+                             f"context length ({ctx})")
+        return self
+
+    def resolve_run_dir(self) -> Path:
+        if self.run_dir is None:
+            self.run_dir = str(Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        return Path(self.run_dir)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value (e.g. engine.max_running=32)")
+    key, raw = item.split("=", 1)
+    if not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise ConfigError(f"override {item!r}: {key!r} is not a dotted key")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_override(data: dict, path: list[str], value: Any) -> None:
+    node = data
+    for i, part in enumerate(path[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[:i + 1])}: is a value, not a section; cannot set {'.'.join(path)}")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | Path | None, overrides: list[str] = (), schema: type[BaseModel] = RunConfig):
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path}: not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: invalid YAML ({str(exc).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    for item in overrides:
+        apply_override(data, *parse_override(item))
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_error(exc, schema)) from None
+
+
+def format_error(exc: ValidationError, schema: type[BaseModel]) -> str:
+    err = exc.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    key = ".".join(loc) or "(top level)"
+    more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
+    if err["type"] == "extra_forbidden":
+        parent = _model_at(schema, loc[:-1])
+        known = ", ".join(parent.model_fields) if parent else "?"
+        return f"{key}: unknown key; expected one of: {known}{more}"
+    if err["type"] == "missing":
+        return f"{key}: required key is missing{more}"
+    msg = err["msg"].removeprefix("Value error, ")
+    got = f" (got {err['input']!r})" if err["type"] != "value_error" else ""
+    return f"{key}: {msg}{got}{more}"
+
+
+def _model_at(schema: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
+    node: Any = schema
+    for part in loc:
+        field = getattr(node, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        node = field.annotation
+    return node if isinstance(node, type) and issubclass(node, BaseModel) else None
+
+
+def dump_config(cfg: BaseModel, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path

@@ -1,0 +1,28 @@
+"""Settings of one embedded engine (the `engine` section of a run config, and `loongsage engine` flags)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    max_running: int = Field(64, ge=1, description="KV slots: sequences decoded together")
+    context_length: int | None = Field(None, ge=2, description="default: the model's max positions")
+    max_prefill_tokens: int = Field(4096, ge=1, description="prefill budget per scheduler step")
+    threads: int | None = Field(None, ge=1, description="torch threads in the engine process")
+    prefix_cache: bool = True
+    weight_version: str = "0"
+
+    def cli_args(self) -> list[str]:
+        """The `loongsage engine` flags that reproduce this config in a child process."""
+        args = ["--dtype", self.dtype, "--device", self.device, "--max-running", str(self.max_running),
+                "--max-prefill-tokens", str(self.max_prefill_tokens), "--weight-version", self.weight_version]
+        if self.context_length:
+            args += ["--context-length", str(self.context_length)]
+        if not self.prefix_cache:
+            args.append("--no-prefix-cache")
+        return args

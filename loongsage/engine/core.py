@@ -1,0 +1,403 @@
+"""The engine core: continuous batching over KV slots, run in one thread that owns the model.
+
+Every scheduler iteration (a) admits waiting sequences into free slots (reusing a cached prefix
+when one matches), (b) runs ONE forward pass over all running sequences — one token for each
+decoding sequence plus the whole new part of each admitted one — and (c) samples, appends and
+retires finished sequences. Sequences therefore join and leave at every step, and a long one never
+holds short ones back. Control operations (weight updates, pause, abort, memory release) are
+queued and executed by the same thread between steps, so they never race with a forward pass.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from transformers import AutoTokenizer
+
+from loongsage.engine.kv_pool import BatchPlan, Prefill
+from loongsage.engine.model_runner import ModelRunner
+from loongsage.engine.sampling import sample
+from loongsage.engine.sequence import Sequence, SeqRequest
+
+log = logging.getLogger("loongsage.engine")
+
+
+@dataclass
+class CacheEntry:
+    tokens: np.ndarray  # the token ids whose K/V the slot holds
+    used: int  # scheduler tick of last use (LRU)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    generated_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    busy_s: float = 0.0
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        max_running: int = 64,
+        context_length: int | None = None,
+        max_prefill_tokens: int = 4096,
+        weight_version: str = "0",
+        enable_prefix_cache: bool = True,
+    ):
+        self.model_path = str(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.runner = ModelRunner(model_path, dtype, device, max_running, context_length)
+        self.eos_ids = _eos_ids(self.runner.model, self.tokenizer)
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.enable_prefix_cache = enable_prefix_cache
+        self.weight_version = str(weight_version)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.cache: dict[int, CacheEntry] = {}
+        self.paused = False
+        self.stats = EngineStats()
+        self._tick = 0
+        self._inbox: list[Sequence] = []
+        self._commands: list[tuple[Callable, tuple, Future]] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # ---- public, thread-safe -----------------------------------------------------------
+    @property
+    def context_length(self) -> int:
+        return self.runner.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="loongsage-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread:
+            self._thread.join(timeout=30)
+
+    def submit(self, requests: list[SeqRequest]) -> None:
+        with self._cond:
+            self._inbox.extend(Sequence(r) for r in requests)
+            self._cond.notify_all()
+
+    def call(self, fn: Callable, *args) -> Future:
+        """Runs `fn(*args)` on the engine thread between two steps."""
+        fut: Future = Future()
+        with self._cond:
+            self._commands.append((fn, args, fut))
+            self._cond.notify_all()
+        return fut
+
+    # ---- control operations (engine thread only, through `call`) ------------------------
+    def pause(self, mode: str) -> str:
+        if mode == "abort":
+            n = self.abort(None, abort_all=True, message="aborted by pause_generation")
+        elif mode == "retract":
+            retracted = list(self.running)  # in slot order; they go back to the queue's front
+            n = len(retracted)
+            for seq in reversed(retracted):
+                self._remove(seq, keep_cache=False)
+                seq.kv_len = 0
+            self.waiting.extendleft(reversed(retracted))
+        elif mode == "in_place":
+            n = len(self.running)
+        else:
+            raise ValueError(f"mode: expected 'abort', 'retract' or 'in_place', got {mode!r}")
+        self.paused = True
+        return f"paused ({mode}); {n} requests affected"
+
+    def resume_generation(self) -> str:
+        self.paused = False
+        return "generation continued"
+
+    def abort(self, rid: str | None, abort_all: bool = False, message: str = "aborted") -> int:
+        victims = [s for s in list(self.running) + list(self.waiting)
+                   if abort_all or s.req.rid == rid or s.req.group_rid == rid]
+        for seq in sorted(victims, key=lambda s: -s.slot):
+            seq.finish_reason = {"type": "abort", "message": message}
+            if seq.slot >= 0:
+                self._remove(seq, keep_cache=False)
+            else:
+                self.waiting.remove(seq)
+            self._notify(seq)
+        return len(victims)
+
+    def flush_cache(self) -> None:
+        if self.running:
+            raise RuntimeError(f"cannot flush the cache while {len(self.running)} requests are running")
+        self.cache.clear()
+
+    def set_weights(self, load: Callable[[ModelRunner], Any], version: str | None, flush_cache: bool = True,
+                    abort_all: bool = False) -> Any:
+        """Applies a weight update; cached prefixes computed by old weights are always dropped."""
+        if abort_all:
+            self.abort(None, abort_all=True, message="aborted for a weight update")
+        result = load(self.runner)
+        self.cache.clear()
+        if version is not None:
+            self.weight_version = str(version)
+        return result
+
+    def release_memory(self, tags: list[str] | None) -> None:
+        if self.running or self.waiting:
+            raise RuntimeError("cannot release memory while requests are running or waiting")
+        tags = tags or ["weights", "kv_cache"]
+        if "kv_cache" in tags:
+            self.cache.clear()
+            self.runner.pool.free()
+        if "weights" in tags:
+            self.runner.release_weights()
+
+    def resume_memory(self, tags: list[str] | None) -> None:
+        tags = tags or ["weights", "kv_cache"]
+        if "kv_cache" in tags and not self.runner.pool.allocated:
+            self.runner.pool.allocate()
+        if "weights" in tags:
+            self.runner.resume_weights()
+
+    @property
+    def memory_released(self) -> bool:
+        return self.runner.weights_released or not self.runner.pool.allocated
+
+    # ---- the loop ----------------------------------------------------------------------
+    def _runnable(self) -> bool:
+        return not self.paused and not self.memory_released and bool(self.running or self.waiting)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or self._commands or self._inbox or self._runnable()):
+                    self._cond.wait()
+                if self._stop:
+                    break
+                inbox, self._inbox = self._inbox, []
+                commands, self._commands = self._commands, []
+            self.waiting.extend(inbox)
+            for fn, args, fut in commands:
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # the caller turns it into an HTTP error
+                    fut.set_exception(exc)
+            if self._runnable():
+                try:
+                    self._step()
+                except Exception as exc:  # a bug must not take the server down: fail the batch
+                    log.error("engine step failed:\n%s", traceback.format_exc())
+                    self.abort(None, abort_all=True, message=f"engine error: {exc}")
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        self._tick += 1
+        self._admit()
+        if not self.running:
+            return
+        nd = 0
+        while nd < len(self.running) and self.running[nd].kv_len == self.running[nd].num_tokens - 1:
+            nd += 1
+        tokens = [s.last_token for s in self.running[:nd]]
+        positions = [s.kv_len for s in self.running[:nd]]
+        sample_rows = list(range(nd))
+        keep = list(range(nd))
+        prefills, prompt_rows = [], {}
+        for seq in self.running[nd:]:
+            new = seq.all_ids[seq.kv_len:]
+            offset = len(tokens)
+            prefills.append(Prefill(offset, len(new), seq.slot, seq.kv_len))
+            tokens += new
+            positions += range(seq.kv_len, seq.kv_len + len(new))
+            first = self._prompt_logprob_from(seq)
+            if first is not None:  # rows that predict prompt tokens first..end, then the next token
+                lo = offset + (first - 1 - seq.kv_len)
+                prompt_rows[seq.req.rid] = (len(keep), first)
+                keep += range(lo, offset + len(new))
+            else:
+                keep.append(offset + len(new) - 1)
+            sample_rows.append(len(keep) - 1)
+            self.stats.prefill_tokens += len(new)
+        plan = BatchPlan(nd, torch.tensor(positions[:nd], dtype=torch.long, device=self.runner.device), prefills)
+        logits = self.runner.forward(tokens, positions, plan, keep)
+        top_n = max((s.req.top_logprobs_num for s in self.running if s.req.return_logprob), default=0)
+        params = [s.req.params for s in self.running]
+        result = sample(logits[sample_rows], params, [s.generator for s in self.running], top_n)
+        version = _as_int(self.weight_version)
+        finished = []
+        for i, seq in enumerate(self.running):
+            if seq.req.rid in prompt_rows:
+                self._record_prompt_logprobs(seq, logits, *prompt_rows[seq.req.rid])
+            seq.kv_len = seq.num_tokens
+            tok = int(result.tokens[i])
+            seq.output_ids.append(tok)
+            seq.output_logprobs.append(float(result.logprobs[i]))
+            seq.output_versions.append(version)
+            if seq.req.return_logprob and seq.req.top_logprobs_num > 0:
+                k = seq.req.top_logprobs_num
+                seq.output_top.append(list(zip(result.top_logprobs[i, :k].tolist(), result.top_ids[i, :k].tolist())))
+            seq.finish_reason = self._finish_reason(seq, tok)
+            if seq.finish_reason is not None:
+                finished.append(seq)
+            elif seq.req.stream:
+                self._notify(seq)
+        self.stats.generated_tokens += len(self.running)
+        for seq in sorted(finished, key=lambda s: -s.slot):
+            self._remove(seq, keep_cache=True)
+            self._notify(seq)
+        self.stats.steps += 1
+        self.stats.busy_s += time.perf_counter() - t0
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _notify(self, seq: Sequence) -> None:
+        if seq.req.on_update is not None:
+            seq.req.on_update(seq.snapshot(self.weight_version))
+
+    def _prompt_logprob_from(self, seq: Sequence) -> int | None:
+        """First prompt position whose logprob this prefill must produce, or None."""
+        if not seq.req.return_logprob or seq.req.logprob_start_len < 0 or seq.input_logprobs is not None:
+            return None
+        return max(seq.req.logprob_start_len, 1)
+
+    def _record_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, row0: int, first: int) -> None:
+        ids = seq.req.input_ids
+        n = len(ids) - first
+        temp = seq.req.params.temperature if not seq.req.params.greedy else 1.0
+        lp = torch.log_softmax(logits[row0:row0 + n].float() / temp, dim=-1)
+        target = torch.tensor(ids[first:], device=lp.device)
+        values = lp.gather(1, target[:, None]).squeeze(1).tolist() if n else []
+        lead = [None] if seq.req.logprob_start_len == 0 else []
+        seq.input_logprobs = lead + values
+        if seq.req.top_logprobs_num > 0:
+            k = seq.req.top_logprobs_num
+            tv, ti = lp.topk(min(k, lp.shape[-1]), dim=-1) if n else (torch.empty(0, k), torch.empty(0, k))
+            seq.input_top = lead + [list(zip(a, b)) for a, b in zip(tv.tolist(), ti.tolist())]
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> dict | None:
+        p = seq.req.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if p.stop:
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(seq.output_ids[-(longest + 8):], skip_special_tokens=p.skip_special_tokens)
+            for s in p.stop:
+                if s in tail:
+                    return {"type": "stop", "matched": s}
+        if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.context_length:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+    def _admit(self) -> None:
+        budget = self.max_prefill_tokens
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            need = seq.num_tokens - seq.kv_len
+            if need > budget and budget < self.max_prefill_tokens:
+                break  # this one waits for the next step; at least one is always admitted
+            self.waiting.popleft()
+            self._place(seq)
+            budget -= seq.num_tokens - seq.kv_len
+
+    def _place(self, seq: Sequence) -> None:
+        """Puts `seq` into slot n = len(running), moving cache entries out of the way."""
+        n = len(self.running)
+        pool = self.runner.pool
+        hit, reuse = self._lookup(seq)
+        occupant = self.cache.get(n)
+        if hit is not None:
+            entry = self.cache.pop(hit)
+            if hit != n:
+                if occupant is not None:
+                    pool.swap(hit, len(entry.tokens), n, len(occupant.tokens))
+                    self.cache[hit] = self.cache.pop(n)
+                else:
+                    pool.copy(hit, n, len(entry.tokens))
+            seq.kv_len = reuse
+            seq.cached_tokens = reuse
+            self.stats.cached_tokens += reuse
+        else:
+            if occupant is not None:
+                self.cache.pop(n)
+                free = next((s for s in range(n + 1, pool.slots) if s not in self.cache), None)
+                if free is None and self.cache:
+                    free = min(self.cache, key=lambda s: self.cache[s].used)
+                    del self.cache[free]
+                if free is not None:
+                    pool.copy(n, free, len(occupant.tokens))
+                    self.cache[free] = occupant
+            seq.kv_len = 0
+        seq.slot = n
+        self.running.append(seq)
+
+    def _lookup(self, seq: Sequence) -> tuple[int | None, int]:
+        if not self.cache:
+            return None, 0
+        ids = np.asarray(seq.all_ids)
+        limit = len(ids) - 1
+        first = self._prompt_logprob_from(seq)
+        if first is not None:
+            limit = min(limit, first - 1)
+        best, best_len = None, 0
+        for slot, entry in self.cache.items():
+            m = min(len(entry.tokens), limit)
+            if m <= best_len:
+                continue
+            diff = np.flatnonzero(entry.tokens[:m] != ids[:m])
+            common = int(diff[0]) if diff.size else m
+            if common > best_len:
+                best, best_len = slot, common
+        return (best, best_len) if best_len > 0 else (None, 0)
+
+    def _remove(self, seq: Sequence, keep_cache: bool) -> None:
+        """Takes `seq` out of the running set, keeping slots 0..n-1 dense."""
+        i, last = seq.slot, len(self.running) - 1
+        pool = self.runner.pool
+        entry = None
+        if keep_cache and self.enable_prefix_cache and seq.kv_len > 0 and pool.allocated:
+            entry = CacheEntry(np.asarray(seq.all_ids[:seq.kv_len]), self._tick)
+        if i != last:
+            other = self.running[last]
+            if entry is not None:
+                pool.swap(i, seq.kv_len, last, other.kv_len)
+            else:
+                pool.copy(last, i, other.kv_len)
+            other.slot = i
+            self.running[i] = other
+        self.running.pop()
+        seq.slot = -1
+        if entry is not None:
+            self.cache[last] = entry
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
+
+
+def _as_int(version: str) -> int:
+    try:
+        return int(version)
+    except ValueError:
+        return -1

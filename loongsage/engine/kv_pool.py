@@ -1,0 +1,146 @@
+"""Per-sequence KV slots and the attention function that reads them.
+
+Why our own attention: continuous batching needs every running sequence to keep its own KV
+(different lengths, joining and leaving at any step). Everything else in the forward pass
+(embeddings, norms, rotary, MLP, projections) is the model's own transformers code; we register
+one attention function with transformers' `AttentionInterface`, so any architecture that uses
+that interface (Qwen3, Qwen2, Llama, Mistral, ...) runs unchanged.
+
+Layout: for each layer, K and V are [slots, kv_heads, context_len, head_dim]. Running sequences
+occupy slots 0..n-1 in order, so the decode step attends over one strided view `[:n, :, :L]`
+without gathering. Finished sequences may stay in higher slots as prefix-cache entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_IMPL = "loongsage_slots"
+
+
+@dataclass
+class Prefill:
+    offset: int  # first index of this sequence's tokens in the flattened batch
+    length: int  # new tokens in this step
+    slot: int
+    start: int  # tokens already in the slot (prefix reuse / resumed sequences)
+
+
+@dataclass
+class BatchPlan:
+    """What one forward pass computes: `num_decode` one-token rows, then chunked prefills."""
+
+    num_decode: int
+    decode_pos: torch.Tensor  # [num_decode] position of each decode row's new token
+    prefills: list[Prefill]
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        key = ("decode", window)
+        if key not in self._masks:
+            L = int(self.decode_pos.max()) + 1
+            cols = torch.arange(L, device=self.decode_pos.device)[None, :]
+            ok = cols <= self.decode_pos[:, None]
+            if window:
+                ok &= cols > self.decode_pos[:, None] - window
+            self._masks[key] = ok[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, p: Prefill, window: int | None, device) -> torch.Tensor:
+        key = (p.length, p.start, window)
+        if key not in self._masks:
+            rows = torch.arange(p.length, device=device)[:, None] + p.start
+            cols = torch.arange(p.start + p.length, device=device)[None, :]
+            ok = cols <= rows
+            if window:
+                ok &= cols > rows - window
+            self._masks[key] = ok
+        return self._masks[key]
+
+
+class KVPool:
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, context_len: int, head_dim: int, dtype, device):
+        self.shape = (slots, kv_heads, context_len, head_dim)
+        self.num_layers, self.dtype, self.device = num_layers, dtype, device
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.plan: BatchPlan | None = None
+        self.allocate()
+
+    @property
+    def slots(self) -> int:
+        return self.shape[0]
+
+    @property
+    def context_len(self) -> int:
+        return self.shape[2]
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
+
+    def allocate(self) -> None:
+        self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+
+    def free(self) -> None:
+        self.k, self.v = [], []
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        for cache in (self.k, self.v):
+            for t in cache:
+                t[dst, :, :length] = t[src, :, :length]
+
+    def swap(self, a: int, len_a: int, b: int, len_b: int) -> None:
+        for cache in (self.k, self.v):
+            for t in cache:
+                tmp = t[a, :, :len_a].clone()
+                t[a, :, :len_b] = t[b, :, :len_b]
+                t[b, :, :len_a] = tmp
+
+
+def slot_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention over KV slots for the flattened batch [1, H, N, D] the model hands us."""
+    pool: KVPool = module._loongsage_pool
+    plan = pool.plan
+    layer = module.layer_idx
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    K, V = pool.k[layer], pool.v[layer]
+    q, k, v = query[0], key[0], value[0]  # [H, N, D], [kvh, N, D]
+    H, N, D = q.shape
+    kvh = k.shape[0]
+    out = query.new_empty(N, H, D)
+    nd = plan.num_decode
+    if nd:
+        rows = torch.arange(nd, device=q.device)
+        K[rows, :, plan.decode_pos] = k[:, :nd].transpose(0, 1)
+        V[rows, :, plan.decode_pos] = v[:, :nd].transpose(0, 1)
+        L = int(plan.decode_pos.max()) + 1
+        qd = q[:, :nd].transpose(0, 1).reshape(nd, kvh, H // kvh, D)
+        o = F.scaled_dot_product_attention(
+            qd, K[:nd, :, :L], V[:nd, :, :L], attn_mask=plan.decode_mask(window), scale=scaling
+        )
+        out[:nd] = o.reshape(nd, H, D)
+    for p in plan.prefills:
+        end = p.start + p.length
+        K[p.slot, :, p.start:end] = k[:, p.offset:p.offset + p.length]
+        V[p.slot, :, p.start:end] = v[:, p.offset:p.offset + p.length]
+        o = F.scaled_dot_product_attention(
+            q[None, :, p.offset:p.offset + p.length],
+            K[p.slot, :, :end][None],
+            V[p.slot, :, :end][None],
+            attn_mask=plan.prefill_mask(p, window, q.device),
+            scale=scaling,
+            enable_gqa=kvh != H,
+        )
+        out[p.offset:p.offset + p.length] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+AttentionInterface.register(ATTN_IMPL, slot_attention)

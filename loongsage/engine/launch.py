@@ -1,0 +1,27 @@
+"""Runs the embedded engine server in this process (what `loongsage engine` calls)."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import uvicorn
+
+from loongsage.engine.config import EngineConfig
+from loongsage.engine.core import EngineCore
+from loongsage.engine.server import create_app
+
+
+def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = "warning") -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    core = EngineCore(
+        model, dtype=cfg.dtype, device=cfg.device, max_running=cfg.max_running,
+        context_length=cfg.context_length, max_prefill_tokens=cfg.max_prefill_tokens,
+        weight_version=cfg.weight_version, enable_prefix_cache=cfg.prefix_cache,
+    )
+    core.start()
+    try:
+        uvicorn.run(create_app(core), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    finally:
+        core.shutdown()

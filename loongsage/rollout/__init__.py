@@ -1,0 +1,1 @@
+"""Talking to inference servers: protocol builders, the HTTP client, and the engine launcher."""

@@ -1,0 +1,23 @@
+"""Sampling settings for rollouts (sent as SGLang `sampling_params`)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    max_new_tokens: int = Field(16, ge=1)
+    n: int = Field(1, ge=1, description="samples per prompt (a GRPO group)")
+
+    @model_validator(mode="after")
+    def _greedy_group(self) -> "SamplingConfig":
+        if self.n > 1 and self.temperature == 0.0:
+            raise ValueError("n > 1 with temperature 0 gives n identical greedy samples; raise temperature or set n=1")
+        return self
+
+    def sampling_params(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "max_new_tokens": self.max_new_tokens}

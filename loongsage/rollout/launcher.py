@@ -1,0 +1,77 @@
+"""Starts an inference server as a child process on 127.0.0.1 and waits until it is healthy."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EngineProcess:
+    proc: subprocess.Popen
+    url: str
+    log_path: str
+    _closed: bool = field(default=False, repr=False)
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def launch_engine(model: str, host: str = "127.0.0.1", port: int | None = None, threads: int = 1,
+                  extra_args: list[str] | None = None, startup_timeout_s: float = 120.0,
+                  log_path: str | None = None) -> EngineProcess:
+    port = port or free_port(host)
+    log_path = log_path or tempfile.mkstemp(prefix="loongsage-engine-", suffix=".log")[1]
+    cmd = [sys.executable, "-m", "loongsage.cli", "engine", "--model", str(model), "--host", host,
+           "--port", str(port), "--threads", str(threads), *(extra_args or [])]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    logf = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    logf.close()
+    ep = EngineProcess(proc, f"http://{host}:{port}", log_path)
+    deadline = time.monotonic() + startup_timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with code {proc.returncode} during start-up:\n{ep.log_tail()}")
+        try:
+            if httpx.get(f"{ep.url}/health", timeout=2.0, trust_env=False).status_code == 200:
+                return ep
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    ep.stop()
+    raise TimeoutError(f"engine at {ep.url} not healthy after {startup_timeout_s}s:\n{ep.log_tail()}")

@@ -1,0 +1,86 @@
+"""SGLang protocol encoding, apart from the transport: request builders and response parsers.
+
+The same functions serve a real SGLang server and the embedded engine (same fields).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class GenerateOutput:
+    rid: str
+    output_ids: list[int]
+    text: str
+    finish_reason: dict
+    output_logprobs: list[float] | None
+    output_versions: list[int] | None  # LoongSage extension; None from a stock SGLang server
+    input_logprobs: list[float | None] | None
+    prompt_tokens: int
+    cached_tokens: int
+    weight_version: str
+
+    @property
+    def finish_type(self) -> str:
+        return (self.finish_reason or {}).get("type", "unknown")
+
+
+def build_generate(
+    input_ids: list[int] | list[list[int]],
+    sampling_params: dict[str, Any] | None = None,
+    return_logprob: bool = True,
+    logprob_start_len: int = -1,
+    top_logprobs_num: int = 0,
+    rid: str | list[str] | None = None,
+    stream: bool = False,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "input_ids": input_ids,
+        "sampling_params": dict(sampling_params or {}),
+        "return_logprob": return_logprob,
+        "logprob_start_len": logprob_start_len,
+        "stream": stream,
+    }
+    if top_logprobs_num:
+        body["top_logprobs_num"] = top_logprobs_num
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+def parse_generate(obj: dict[str, Any]) -> GenerateOutput:
+    meta = obj.get("meta_info", {})
+    out_lp = meta.get("output_token_logprobs")
+    in_lp = meta.get("input_token_logprobs")
+    return GenerateOutput(
+        rid=meta.get("id", ""),
+        output_ids=list(obj.get("output_ids", [])),
+        text=obj.get("text", ""),
+        finish_reason=meta.get("finish_reason") or {},
+        output_logprobs=None if out_lp is None else [t[0] for t in out_lp],
+        output_versions=meta.get("output_token_weight_versions"),
+        input_logprobs=None if in_lp is None else [t[0] for t in in_lp],
+        prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        cached_tokens=int(meta.get("cached_tokens", 0)),
+        weight_version=str(meta.get("weight_version", "")),
+    )
+
+
+def build_update_from_distributed(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], weight_version: str | int | None,
+    group_name: str = "weight_update_group", flattened: bool = False, flush_cache: bool = True,
+) -> dict[str, Any]:
+    body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "flush_cache": flush_cache}
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    if flattened:
+        body["load_format"] = "flattened_bucket"
+    return body
+
+
+def build_init_group(master_address: str, master_port: int, rank_offset: int, world_size: int,
+                     backend: str = "gloo", group_name: str = "weight_update_group") -> dict[str, Any]:
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "backend": backend, "group_name": group_name}

@@ -1,0 +1,46 @@
+"""The row every data set becomes, and the registry of built-in tasks with their verifiers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class TaskRow:
+    prompt: str | list[dict[str, Any]]  # raw completion prompt, or chat messages
+    answer: str
+    tag: str = "default"
+    tools: list[dict[str, Any]] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt": self.prompt, "answer": self.answer, "tag": self.tag}
+        if self.tools:
+            out["tools"] = self.tools
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    name: str
+    description: str
+    generate: Callable[..., list[TaskRow]]  # generate(n, seed, **params)
+    reward: Callable[[str, TaskRow], float]  # reward(response_text, row) in [0, 1]
+
+
+TASKS: dict[str, TaskSpec] = {}
+
+
+def register(spec: TaskSpec) -> TaskSpec:
+    TASKS[spec.name] = spec
+    return spec
+
+
+def get_task(name: str) -> TaskSpec:
+    from loongsage.tasks import arithmetic, calculator, reverse  # noqa: F401  (registers them)
+
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]

@@ -1,0 +1,87 @@
+"""Tool use: large multiplications that a tiny model can only get right with a calculator.
+
+The prompt is a chat with the calculator tool declared; a correct episode calls
+`calculator` with the expression, reads the <tool_response>, and answers with the number.
+"""
+from __future__ import annotations
+
+import ast
+import operator
+import random
+import re
+
+from loongsage.tasks.base import TaskRow, TaskSpec, register
+
+CALCULATOR_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression with + - * / and parentheses.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def evaluate_expression(expression: str, max_len: int = 200) -> str:
+    """Evaluates + - * / // % and parentheses on numbers; anything else is a ValueError."""
+    if len(expression) > max_len:
+        raise ValueError(f"expression longer than {max_len} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from exc
+
+    def ev(node):
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            left, right = ev(node.left), ev(node.right)
+            if abs(left) > 1e50 or abs(right) > 1e50:
+                raise ValueError("number too large")
+            return _OPS[type(node.op)](left, right)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"unsupported syntax in {expression!r}")
+
+    try:
+        value = ev(tree)
+    except ZeroDivisionError:
+        raise ValueError("division by zero") from None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value)
+
+
+def generate(n: int, seed: int = 0, digits: int = 4, exclude: set[str] | None = None) -> list[TaskRow]:
+    rng = random.Random(seed)
+    lo, hi = 10 ** (digits - 1), 10**digits - 1
+    rows, seen = [], set(exclude or ())
+    while len(rows) < n:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        question = f"{a}*{b}"
+        if question in seen:
+            continue
+        seen.add(question)
+        rows.append(TaskRow(
+            prompt=[{"role": "user", "content": f"{question}=?"}],
+            answer=str(a * b), tag="calc", tools=[CALCULATOR_TOOL], meta={"expression": question},
+        ))
+    return rows
+
+
+def reward(response: str, row: TaskRow) -> float:
+    """1 when the last number in the final answer is the exact product."""
+    numbers = re.findall(r"-?\d+", response)
+    return 1.0 if numbers and numbers[-1] == row.answer else 0.0
+
+
+SPEC = register(TaskSpec("calculator", "large multiplications with a calculator tool (chat)", generate, reward))

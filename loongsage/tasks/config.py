@@ -1,0 +1,37 @@
+"""Which task a run trains and evaluates on: a built-in generator or user files."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class TaskConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "arithmetic"  # a built-in task (for generation and its verifier)
+    params: dict[str, Any] = Field(default_factory=dict, description="generator parameters, e.g. digits: 3")
+    train_size: int = Field(2000, ge=1)
+    eval_size: int = Field(200, ge=1)
+    seed: int = 0
+    data_dir: str = ".cache/loongsage/data"
+    train_path: str | None = None  # user data (jsonl/parquet) instead of generated rows
+    eval_path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, name: str) -> str:
+        from loongsage.tasks.base import TASKS, get_task
+
+        try:
+            get_task(name)
+        except KeyError:
+            raise ValueError(f"unknown task; expected one of {sorted(TASKS)}") from None
+        return name
+
+    @model_validator(mode="after")
+    def _paths(self) -> "TaskConfig":
+        if (self.train_path is None) != (self.eval_path is None):
+            raise ValueError("train_path and eval_path must be given together")
+        return self

@@ -1,0 +1,89 @@
+"""Reading and writing data sets: jsonl and parquet with a declared prompt/answer schema.
+
+A malformed row is reported with its file and line (jsonl) or row number (parquet).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from loongsage.tasks.base import TaskRow
+
+
+@dataclass(frozen=True)
+class DataSchema:
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    tag_key: str | None = "tag"
+    tools_key: str | None = "tools"
+    default_tag: str = "default"
+
+
+class DataError(ValueError):
+    pass
+
+
+def write_jsonl(rows: Iterable[TaskRow], path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row.to_json()) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def load_rows(path: str | Path, schema: DataSchema | None = None) -> list[TaskRow]:
+    schema = schema or DataSchema()
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if path.suffix == ".jsonl":
+        return [_to_row(rec, schema, f"{path}:{line}") for line, rec in _read_jsonl(path)]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        return [_to_row(rec, schema, f"{path}: row {i + 1}") for i, rec in enumerate(table.to_pylist())]
+    raise DataError(f"{path}: unsupported format {path.suffix!r} (expected .jsonl or .parquet)")
+
+
+def _read_jsonl(path: Path):
+    with open(path) as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{line_no}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
+            yield line_no, rec
+
+
+def _to_row(rec: dict[str, Any], schema: DataSchema, where: str) -> TaskRow:
+    for key in (schema.prompt_key, schema.answer_key):
+        if key not in rec:
+            raise DataError(f"{where}: missing key {key!r} (row has {sorted(rec)})")
+    prompt = rec[schema.prompt_key]
+    if isinstance(prompt, list):
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise DataError(f"{where}: {schema.prompt_key!r} as a list must hold messages with 'role' and 'content'")
+    elif not isinstance(prompt, str) or not prompt:
+        raise DataError(f"{where}: {schema.prompt_key!r} must be a non-empty string or a list of messages")
+    answer = rec[schema.answer_key]
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        raise DataError(f"{where}: {schema.answer_key!r} must be a string or a number, got {type(answer).__name__}")
+    tag = rec.get(schema.tag_key, schema.default_tag) if schema.tag_key else schema.default_tag
+    tools = rec.get(schema.tools_key) if schema.tools_key else None
+    if tools is not None and not isinstance(tools, list):
+        raise DataError(f"{where}: {schema.tools_key!r} must be a list of tool specs")
+    skip = {schema.prompt_key, schema.answer_key, schema.tag_key, schema.tools_key, "meta"}
+    meta = {k: v for k, v in rec.items() if k not in skip}
+    if isinstance(rec.get("meta"), dict):
+        meta.update(rec["meta"])
+    return TaskRow(prompt=prompt, answer=str(answer), tag=str(tag), tools=tools, meta=meta)

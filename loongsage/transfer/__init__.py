@@ -1,0 +1,1 @@
+"""Weight transfer between trainers and inference engines (TransferMesh builds on these)."""

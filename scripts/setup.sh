@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Creates .venv and installs LoongSage with the pinned CPU set (constraints/cpu.txt),
+# so a plain `torch` requirement can never pull a multi-GB CUDA build on a CPU box.
+# Idempotent: a stamp of the inputs skips the install when nothing changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.loongsage-installed
+want=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing LoongSage and its pinned CPU dependencies into .venv (about a minute)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[dev]" 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+  .venv/bin/python -c "import torch, transformers, ray, loongsage" 
+  echo "$want" > "$stamp"
+fi
