@@ -47,7 +47,7 @@ def _data(ns: argparse.Namespace) -> None:
     from loongsage.tasks.config import TaskConfig
     from loongsage.tasks.prepare import prepare_data
 
-    data: dict = {"name": ns.task, "data_dir": ns.out}
+    data: dict = {"name": ns.task}
     for item in ns.overrides:
         apply_override(data, *parse_override(item))
     cfg = _validated(TaskConfig, data, "task")
@@ -63,7 +63,7 @@ def _validated(schema, data: dict, prefix: str):
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{prefix}.{format_error(exc, schema)}") from None
+        raise ConfigError(format_error(exc, schema, prefix)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,8 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("data", help="generate a built-in task's train/eval jsonl files",
                        description="Generate a built-in task's data set (train and disjoint held-out eval).")
     t.add_argument("task", help="arithmetic | calculator | reverse")
-    t.add_argument("--out", default=".cache/loongsage/data")
-    t.add_argument("overrides", nargs="*", help="task overrides, e.g. train_size=500 params.digits=4")
+    t.add_argument("overrides", nargs="*",
+                   help="task overrides, e.g. train_size=500 params.digits=4 data_dir=.cache/loongsage/data")
     t.set_defaults(fn=_data)
     return p
 

@@ -98,10 +98,10 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
         raise ConfigError(format_error(exc, schema)) from None
 
 
-def format_error(exc: ValidationError, schema: type[BaseModel]) -> str:
+def format_error(exc: ValidationError, schema: type[BaseModel], prefix: str = "") -> str:
     err = exc.errors()[0]
     loc = [str(x) for x in err["loc"]]
-    key = ".".join(loc) or "(top level)"
+    key = ".".join(([prefix] if prefix else []) + loc) or "(top level)"
     more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
     if err["type"] == "extra_forbidden":
         parent = _model_at(schema, loc[:-1])

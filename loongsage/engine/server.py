@@ -21,7 +21,7 @@ from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
-from loongsage.transfer.tensor_handles import deserialize_named_tensors
+from loongsage.transfer.tensor_handles import deserialize_named_tensors, unflatten_bucket
 
 log = logging.getLogger("loongsage.engine")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -109,9 +109,9 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
             return error(400, f"serialized_named_tensors: expected one entry (tp_size 1), got {len(req.serialized_named_tensors)}")
         try:
             payload = deserialize_named_tensors(req.serialized_named_tensors[0])
+            named = unflatten_bucket(payload) if req.load_format == "flattened_bucket" else payload
         except ValueError as exc:
             return error(400, str(exc))
-        named = _unflatten(payload) if req.load_format == "flattened_bucket" else payload
         return await _apply(lambda r: r.load_weights(named), req.weight_version, req.flush_cache, req.abort_all_requests)
 
     @app.post("/update_weights_from_disk")
@@ -379,11 +379,3 @@ def _render(snap: SeqSnapshot, seq: SeqRequest, core: EngineCore, with_text: boo
                 meta["input_top_logprobs"] = [None if top is None else _triples(core, top, with_text)
                                               for top in snap.input_top]
     return {"text": text, "output_ids": snap.output_ids, "meta_info": meta}
-
-
-def _unflatten(payload: Any) -> list[tuple[str, torch.Tensor]]:
-    """Our flattened bucket: {"flattened_tensor": 1-D tensor, "metadata": [{name, shape, start, end}]}."""
-    if not isinstance(payload, dict) or "flattened_tensor" not in payload or "metadata" not in payload:
-        raise S.RequestError("flattened_bucket: expected a dict with 'flattened_tensor' and 'metadata'")
-    flat = payload["flattened_tensor"]
-    return [(m["name"], flat[m["start"]:m["end"]].view(m["shape"])) for m in payload["metadata"]]

@@ -38,15 +38,43 @@ _ALLOWED = {
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]] | dict) -> str:
     """Handles for tensors, moving CPU tensors to shared memory when they are not there yet."""
-    tmp.set_sharing_strategy("file_system")  # names, not file descriptors: any process can open them
     items = list(named.items()) if isinstance(named, dict) else list(named)
-    shared = []
+    return _dump([(name, _shared(t)) for name, t in items])
+
+
+def serialize_flattened_bucket(named: list[tuple[str, torch.Tensor]] | dict) -> str:
+    """One flat shared tensor plus metadata (`load_format="flattened_bucket"`): one handle, not one per tensor."""
+    items = list(named.items()) if isinstance(named, dict) else list(named)
+    if len({t.dtype for _, t in items}) > 1:
+        raise ValueError("a flattened bucket holds one dtype; split the tensors by dtype first")
+    meta, start = [], 0
     for name, t in items:
-        if t.device.type == "cpu" and not t.is_shared():
-            t = t.contiguous().share_memory_()
-        shared.append((name, t))
+        meta.append({"name": name, "shape": list(t.shape), "start": start, "end": start + t.numel()})
+        start += t.numel()
+    flat = torch.cat([t.reshape(-1) for _, t in items])
+    return _dump({"flattened_tensor": _shared(flat), "metadata": meta})
+
+
+def unflatten_bucket(payload) -> list[tuple[str, torch.Tensor]]:
+    if not isinstance(payload, dict) or "flattened_tensor" not in payload or "metadata" not in payload:
+        raise ValueError("flattened_bucket: expected a dict with 'flattened_tensor' and 'metadata'")
+    flat = payload["flattened_tensor"]
+    try:
+        return [(m["name"], flat[m["start"]:m["end"]].view(m["shape"])) for m in payload["metadata"]]
+    except (KeyError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"flattened_bucket: bad metadata ({exc})") from None
+
+
+def _shared(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "cpu" and not t.is_shared():
+        t = t.contiguous().share_memory_()
+    return t
+
+
+def _dump(obj) -> str:
+    tmp.set_sharing_strategy("file_system")  # names, not file descriptors: any process can open them
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(shared)
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
     return base64.b64encode(buf.getvalue()).decode()
 
 

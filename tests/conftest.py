@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny models built once per session, and real engine servers on 127.0.0.1."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+from loongsage.models.factory import TinyModelSpec, build_tiny_model
+from loongsage.rollout.launcher import launch_engine
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """Qwen3 with GQA (4 query heads, 2 KV heads), seed 0."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-a"), TinyModelSpec(num_kv_heads=2, seed=0)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b(tmp_path_factory) -> str:
+    """Same architecture as `tiny_model`, different weights (seed 1)."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-b"), TinyModelSpec(num_kv_heads=2, seed=1)))
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    with launch_engine(tiny_model, extra_args=["--max-running", "16", "--context-length", "256"]) as ep:
+        yield ep
+
+
+@pytest.fixture(scope="session")
+def engine_b(tiny_model_b):
+    with launch_engine(tiny_model_b, extra_args=["--max-running", "16", "--context-length", "256"]) as ep:
+        yield ep

@@ -1,0 +1,75 @@
+"""Config loading (YAML + dotted overrides) and the CLI: clear one-line errors, --help everywhere."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from loongsage.cli import build_parser, main
+from loongsage.config import ConfigError, RunConfig, dump_config, load_config
+
+
+def test_yaml_plus_overrides_are_typed_and_nested(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("name: x\nengine: {max_running: 8}\nsampling: {temperature: 0.7}\n")
+    cfg = load_config(f, ["engine.max_running=4", "sampling.n=8", "task.params.digits=4", "model.tiny.arch=llama"])
+    assert cfg.engine.max_running == 4 and cfg.sampling.n == 8 and cfg.sampling.temperature == 0.7
+    assert cfg.task.params == {"digits": 4} and cfg.model.tiny.arch == "llama" and cfg.name == "x"
+    out = dump_config(cfg, tmp_path / "run" / "config.yaml")
+    assert RunConfig.model_validate(yaml.safe_load(out.read_text())) == cfg
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["engine.prot=3"], "engine.prot: unknown key; expected one of: dtype, device, max_running"),
+    (["engine.max_running=0"], "engine.max_running: Input should be greater than or equal to 1 (got 0)"),
+    (["sampling.max_new_tokens=abc"], "sampling.max_new_tokens: Input should be a valid integer"),
+    (["sampling.n=4", "sampling.temperature=0"], "sampling: n > 1 with temperature 0"),
+    (["task.name=chess"], "task.name: unknown task"),
+    (["model.tiny.num_heads=3"], "model.tiny: hidden_size 128 must be divisible by num_heads 3"),
+    (["engine=3"], "engine: Input should be a valid dictionary"),
+    (["engine.max_running=4", "engine.max_running.x=1"], "engine.max_running: is a value, not a section"),
+    (["engine.context_length.x=1"], "engine.context_length: Input should be a valid integer"),
+    (["noequals"], "expected key=value"),
+    (["sampling.max_new_tokens=600"], "must be below the context length"),
+    (["task.train_path=a.jsonl"], "train_path and eval_path must be given together"),
+])
+def test_config_errors_are_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    text = str(info.value)
+    assert message in text and "\n" not in text
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+
+
+def test_cli_reports_config_errors_on_stderr_with_exit_2(capsys):
+    assert main(["demo", "engine.bogus=1"]) == 2
+    assert "config error: engine.bogus: unknown key" in capsys.readouterr().err
+
+
+def test_help_everywhere():
+    parser = build_parser()
+    for cmd in ["engine", "demo", "make-model", "data"]:
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args([cmd, "--help"])
+        assert info.value.code == 0
+    out = subprocess.run([sys.executable, "-m", "loongsage.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "engine" in out.stdout and "demo" in out.stdout
+
+
+def test_make_model_and_data_commands(tmp_path, capsys):
+    assert main(["make-model", str(tmp_path / "m"), "arch=llama", "num_layers=1"]) == 0
+    assert (tmp_path / "m" / "model.safetensors").is_file()
+    assert main(["make-model", str(tmp_path / "m2"), "num_heads=5"]) == 2
+    assert "config error: model: hidden_size 128 must be divisible by num_heads 5" in capsys.readouterr().err
+    assert main(["data", "reverse", f"data_dir={tmp_path / 'd'}", "train_size=20", "eval_size=5"]) == 0
+    assert "20 train rows, 5 eval rows" in capsys.readouterr().out

@@ -1,0 +1,221 @@
+"""Weight updates, pause/continue, abort and memory release on real engine servers."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import call, run, with_client
+from loongsage.models.factory import TinyModelSpec, build_tiny_model
+from loongsage.rollout.client import EngineError
+from loongsage.rollout.launcher import free_port, launch_engine
+from loongsage.transfer.collective import broadcast, dtype_name, new_weight_group
+from loongsage.transfer.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
+
+PROBE = [[20, 21, 22], [33, 34, 35, 36, 37, 38], [90, 91]]
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+def _fingerprint(url):
+    outs = call(url, lambda c: c.generate_batch(PROBE, GREEDY))
+    return [o.output_ids for o in outs], [o.output_logprobs for o in outs], outs[0].weight_version
+
+
+def _weights(model_dir) -> dict[str, torch.Tensor]:
+    return load_file(f"{model_dir}/model.safetensors")
+
+
+def _assert_same(a, b):
+    assert a[0] == b[0]
+    worst = max(abs(x - y) for la, lb in zip(a[1], b[1]) for x, y in zip(la, lb))
+    assert worst < 1e-5, worst
+
+
+@pytest.fixture
+def reset_engine(engine, tiny_model):
+    """Engine A back on its own weights (version 0), shown to differ from engine B's."""
+    call(engine.url, lambda c: c.update_weights_from_disk(tiny_model, weight_version=0))
+    yield engine
+    call(engine.url, lambda c: c.update_weights_from_disk(tiny_model, weight_version=0))
+
+
+def test_update_from_disk_equals_fresh_engine(reset_engine, engine_b, tiny_model_b):
+    want = _fingerprint(engine_b.url)
+    assert _fingerprint(reset_engine.url)[0] != want[0]
+    res = call(reset_engine.url, lambda c: c.update_weights_from_disk(tiny_model_b, weight_version=3))
+    assert res["success"] and res["num_paused_requests"] == 0
+    got = _fingerprint(reset_engine.url)
+    _assert_same(got, want)
+    assert got[2] == "3"
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_update_from_tensor_handles_equals_fresh_engine(reset_engine, engine_b, tiny_model_b, flattened):
+    named = _weights(tiny_model_b)
+    if flattened:
+        handle = serialize_flattened_bucket(named)
+        res = call(reset_engine.url, lambda c: c.update_weights_from_tensor(handle, 5, "flattened_bucket"))
+    else:
+        handle = serialize_named_tensors(named)
+        res = call(reset_engine.url, lambda c: c.update_weights_from_tensor(handle, 5))
+    assert res["success"]
+    got = _fingerprint(reset_engine.url)
+    _assert_same(got, _fingerprint(engine_b.url))
+    assert got[2] == "5"
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_update_from_distributed_gloo_equals_fresh_engine(reset_engine, engine_b, tiny_model_b, flattened):
+    named = _weights(tiny_model_b)
+    port = free_port()
+    group_name = f"wg-{int(flattened)}"
+
+    async def go(client):
+        holder = {}
+        t = threading.Thread(target=lambda: holder.update(pg=new_weight_group("gloo", "127.0.0.1", port, 0, 2, group_name)))
+        t.start()
+        res = await client.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                                      world_size=2, group_name=group_name)
+        t.join()
+        assert res["success"]
+        pg = holder["pg"]
+        names = list(named)
+        req = asyncio.create_task(client.update_weights_from_distributed(
+            names=names, dtypes=[dtype_name(named[n].dtype) for n in names],
+            shapes=[list(named[n].shape) for n in names], weight_version=7, group_name=group_name,
+            flattened=flattened))
+        if flattened:
+            await asyncio.to_thread(broadcast, pg, torch.cat([named[n].reshape(-1) for n in names]))
+        else:
+            for n in names:
+                await asyncio.to_thread(broadcast, pg, named[n].contiguous())
+        res = await req
+        await client.destroy_weights_update_group(group_name)
+        return res
+
+    assert run(with_client(reset_engine.url, go))["success"]
+    got = _fingerprint(reset_engine.url)
+    _assert_same(got, _fingerprint(engine_b.url))
+    assert got[2] == "7"
+
+
+def test_bad_weight_updates_are_400_and_weights_unchanged(reset_engine):
+    before = _fingerprint(reset_engine.url)
+    with pytest.raises(EngineError, match="no \\*.safetensors"):
+        call(reset_engine.url, lambda c: c.update_weights_from_disk("/nonexistent", weight_version=9))
+    bad = serialize_named_tensors({"model.embed_tokens.weight": torch.zeros(3, 3)})
+    with pytest.raises(EngineError, match="shape"):
+        call(reset_engine.url, lambda c: c.update_weights_from_tensor(bad, 9))
+    with pytest.raises(EngineError, match="not valid base64|cannot load"):
+        call(reset_engine.url, lambda c: c.update_weights_from_tensor("!!garbage!!", 9))
+    r = httpx.post(reset_engine.url + "/update_weights_from_distributed",
+                   json={"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "missing"}, timeout=10)
+    assert r.status_code == 400 and "missing" in r.text
+    _assert_same(_fingerprint(reset_engine.url), before)
+
+
+def _stream_with_pause(url, mode, ids, sp, min_tokens=8, pause_s=0.4):
+    """Streams one request, pauses after `min_tokens`, checks nothing runs while paused, continues."""
+    async def go(client):
+        control = type(client)(client.base_url)
+        chunks, stalled = [], {}
+        try:
+            async for chunk in client.generate_stream(ids, sp):
+                chunks.append(chunk)
+                if len(chunks) == min_tokens:
+                    await control.pause(mode)
+                    a = (await control.server_info())["generated_tokens"]
+                    await asyncio.sleep(pause_s)
+                    stalled["delta"] = (await control.server_info())["generated_tokens"] - a
+                    await control.resume()
+        finally:
+            await control.aclose()
+        return chunks, stalled
+
+    return run(with_client(url, go))
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_then_continue_loses_and_duplicates_no_token(engine, mode):
+    ids = [44, 45, 46]
+    sp = {"max_new_tokens": 150, "temperature": 0, "ignore_eos": True}
+    reference = call(engine.url, lambda c: c.generate(ids, sp))
+    chunks, stalled = _stream_with_pause(engine.url, mode, ids, sp)
+    final = chunks[-1]
+    assert stalled["delta"] == 0  # no decode step ran while paused
+    assert final["output_ids"] == reference.output_ids
+    assert len(final["output_ids"]) == 150 and final["meta_info"]["finish_reason"]["type"] == "length"
+    lp = [t[0] for t in final["meta_info"]["output_token_logprobs"]] if "output_token_logprobs" in final["meta_info"] else None
+    assert lp is None or len(lp) == 150
+
+
+def test_pause_abort_returns_partial_output(engine):
+    ids = [47, 48, 49]
+    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    async def go(client):
+        control = type(client)(client.base_url)
+        try:
+            task = asyncio.create_task(client.generate(ids, sp))
+            await asyncio.sleep(0.15)
+            await control.pause("abort")
+            out = await task
+            await control.resume()
+            after = await client.generate(ids, {**sp, "max_new_tokens": 3})
+            return out, after
+        finally:
+            await control.aclose()
+
+    out, after = run(with_client(engine.url, go))
+    assert out.finish_reason["type"] == "abort"
+    assert 0 < len(out.output_ids) < 200 and len(out.output_logprobs) == len(out.output_ids)
+    assert len(after.output_ids) == 3  # serving again after continue
+
+
+def test_abort_request_by_rid_and_flush_cache_refused_while_running(engine):
+    async def go(client):
+        control = type(client)(client.base_url)
+        try:
+            task = asyncio.create_task(client.generate([12, 13], {"max_new_tokens": 200, "ignore_eos": True},
+                                                       rid="victim"))
+            await asyncio.sleep(0.1)
+            r = await control._http.post("/flush_cache")
+            await control.abort("victim")
+            return await task, r.status_code
+        finally:
+            await control.aclose()
+
+    out, flush_status = run(with_client(engine.url, go))
+    assert out.finish_reason["type"] == "abort" and len(out.output_ids) < 200
+    assert flush_status == 400
+    assert httpx.post(engine.url + "/flush_cache", timeout=10).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def big_engine(tmp_path_factory):
+    spec = TinyModelSpec(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, intermediate_size=2048)
+    path = build_tiny_model(tmp_path_factory.mktemp("big"), spec)
+    with launch_engine(str(path), extra_args=["--max-running", "8", "--context-length", "128"]) as ep:
+        yield ep
+
+
+def test_release_and_resume_memory_frees_rss_and_keeps_outputs(big_engine):
+    proc = psutil.Process(big_engine.proc.pid)
+    before = _fingerprint(big_engine.url)
+    info = call(big_engine.url, lambda c: c.model_info())
+    rss_0 = proc.memory_info().rss
+    call(big_engine.url, lambda c: c.release_memory(None))
+    time.sleep(0.2)
+    rss_released = proc.memory_info().rss
+    assert httpx.get(big_engine.url + "/health_generate", timeout=5).status_code == 503
+    weight_bytes = 33_000_000 * 4
+    assert rss_0 - rss_released > 0.8 * weight_bytes, (rss_0, rss_released)
+    call(big_engine.url, lambda c: c.resume_memory(None))
+    _assert_same(_fingerprint(big_engine.url), before)
+    assert info["memory_released"] is False

@@ -1,0 +1,84 @@
+"""Task generators, verifiers, and user data loading with file:line errors."""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from loongsage.tasks import DataError, DataSchema, TaskRow, get_task, load_rows, write_jsonl
+from loongsage.tasks.calculator import evaluate_expression
+from loongsage.tasks.config import TaskConfig
+from loongsage.tasks.prepare import prepare_data
+
+
+def test_generators_are_seeded_and_verifiers_score_the_answer():
+    for name in ["arithmetic", "calculator", "reverse"]:
+        spec = get_task(name)
+        a, b = spec.generate(20, seed=3), spec.generate(20, seed=3)
+        assert [r.to_json() for r in a] == [r.to_json() for r in b]
+        row = a[0]
+        good = f"The answer is {row.answer}" if name == "calculator" else row.answer
+        assert spec.reward(good, row) == 1.0
+        assert spec.reward("nonsense", row) == 0.0
+    row = get_task("arithmetic").generate(1, seed=0)[0]
+    a, b = row.prompt.rstrip("=").split("+")
+    assert int(row.answer) == int(a) + int(b)
+    calc = get_task("calculator").generate(1, seed=0)[0]
+    assert calc.tools[0]["function"]["name"] == "calculator" and calc.prompt[0]["role"] == "user"
+    assert evaluate_expression(calc.meta["expression"]) == calc.answer
+
+
+def test_calculator_refuses_anything_but_arithmetic():
+    assert evaluate_expression("(2+3)*4-6/3") == "18"
+    for bad in ["__import__('os')", "2**1000", "a+1", "1/0", "1" * 300]:
+        with pytest.raises(ValueError):
+            evaluate_expression(bad)
+
+
+def test_prepared_eval_rows_are_disjoint_from_train(tmp_path):
+    cfg = TaskConfig(name="arithmetic", params={"digits": 2}, train_size=300, eval_size=100, data_dir=str(tmp_path))
+    train, evals = prepare_data(cfg)
+    assert len(train) == 300 and len(evals) == 100
+    assert not {r.prompt for r in train} & {r.prompt for r in evals}
+    again_train, _ = prepare_data(cfg)  # cached files are reloaded, identical
+    assert [r.prompt for r in again_train] == [r.prompt for r in train]
+
+
+def test_jsonl_and_parquet_with_a_declared_schema(tmp_path):
+    rows = [TaskRow(prompt="1+1=", answer="2", tag="arith"), TaskRow(prompt=[{"role": "user", "content": "hi"}], answer="x")]
+    write_jsonl(rows, tmp_path / "d.jsonl")
+    assert [r.to_json() for r in load_rows(tmp_path / "d.jsonl")] == [r.to_json() for r in rows]
+    table = pa.Table.from_pylist([{"question": "2+2=", "solution": 4, "source": "web"}])
+    pq.write_table(table, tmp_path / "d.parquet")
+    got = load_rows(tmp_path / "d.parquet", DataSchema(prompt_key="question", answer_key="solution"))
+    assert got[0].prompt == "2+2=" and got[0].answer == "4" and got[0].meta == {"source": "web"}
+
+
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "a", "answer": "b"}', "{oops"], "d.jsonl:2: invalid JSON"),
+    (['{"prompt": "a", "answer": "b"}', "", '{"prompt": "a"}'], "d.jsonl:3: missing key 'answer'"),
+    (['[1, 2]'], "d.jsonl:1: expected a JSON object"),
+    (['{"prompt": "", "answer": "b"}'], "d.jsonl:1: 'prompt' must be a non-empty string"),
+    (['{"prompt": [{"role": "user"}], "answer": "b"}'], "d.jsonl:1: 'prompt' as a list must hold messages"),
+    (['{"prompt": "a", "answer": true}'], "d.jsonl:1: 'answer' must be a string or a number"),
+])
+def test_malformed_rows_name_file_and_line(tmp_path, lines, message):
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as info:
+        load_rows(tmp_path / "d.jsonl")
+    assert message in str(info.value)
+
+
+def test_parquet_rows_are_numbered_and_formats_checked(tmp_path):
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "b"}, {"prompt": "c", "answer": None}]),
+                   tmp_path / "p.parquet")
+    with pytest.raises(DataError, match="p.parquet: row 2: 'answer' must be a string or a number"):
+        load_rows(tmp_path / "p.parquet")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported format"):
+        load_rows(tmp_path / "x.csv")
+    with pytest.raises(DataError, match="no such file"):
+        load_rows(tmp_path / "missing.jsonl")
+    json.dumps({})
