@@ -155,45 +155,55 @@ def test_pause_then_continue_loses_and_duplicates_no_token(engine, mode):
     assert lp is None or len(lp) == 150
 
 
+async def _stream_until(client, ids, sp, after_chunks, action, **kw):
+    """Streams a request; once `after_chunks` chunks arrived, awaits `action()`; returns all chunks."""
+    chunks = []
+    async for chunk in client.generate_stream(ids, sp, **kw):
+        chunks.append(chunk)
+        if len(chunks) == after_chunks:
+            await action()
+    return chunks
+
+
 def test_pause_abort_returns_partial_output(engine):
     ids = [47, 48, 49]
-    sp = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    sp = {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}
 
     async def go(client):
         control = type(client)(client.base_url)
         try:
-            task = asyncio.create_task(client.generate(ids, sp))
-            await asyncio.sleep(0.15)
-            await control.pause("abort")
-            out = await task
+            chunks = await _stream_until(client, ids, sp, 5, lambda: control.pause("abort"))
             await control.resume()
             after = await client.generate(ids, {**sp, "max_new_tokens": 3})
-            return out, after
+            return chunks[-1], after
         finally:
             await control.aclose()
 
-    out, after = run(with_client(engine.url, go))
-    assert out.finish_reason["type"] == "abort"
-    assert 0 < len(out.output_ids) < 200 and len(out.output_logprobs) == len(out.output_ids)
+    last, after = run(with_client(engine.url, go))
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 5 <= len(last["output_ids"]) < 240
+    assert len(last["meta_info"]["output_token_logprobs"]) == len(last["output_ids"])
     assert len(after.output_ids) == 3  # serving again after continue
 
 
 def test_abort_request_by_rid_and_flush_cache_refused_while_running(engine):
+    status = {}
+
     async def go(client):
         control = type(client)(client.base_url)
-        try:
-            task = asyncio.create_task(client.generate([12, 13], {"max_new_tokens": 200, "ignore_eos": True},
-                                                       rid="victim"))
-            await asyncio.sleep(0.1)
-            r = await control._http.post("/flush_cache")
+
+        async def flush_then_abort():
+            status["flush"] = (await control._http.post("/flush_cache")).status_code
             await control.abort("victim")
-            return await task, r.status_code
+        try:
+            return await _stream_until(client, [12, 13], {"max_new_tokens": 240, "ignore_eos": True}, 3,
+                                       flush_then_abort, rid="victim")
         finally:
             await control.aclose()
 
-    out, flush_status = run(with_client(engine.url, go))
-    assert out.finish_reason["type"] == "abort" and len(out.output_ids) < 200
-    assert flush_status == 400
+    chunks = run(with_client(engine.url, go))
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort" and len(chunks[-1]["output_ids"]) < 240
+    assert status["flush"] == 400
     assert httpx.post(engine.url + "/flush_cache", timeout=10).status_code == 200
 
 
