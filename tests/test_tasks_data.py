@@ -82,3 +82,8 @@ def test_parquet_rows_are_numbered_and_formats_checked(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         load_rows(tmp_path / "missing.jsonl")
     json.dumps({})
+
+
+def test_generators_refuse_impossible_sizes():
+    with pytest.raises(ValueError, match="cannot draw 100 distinct problems"):
+        get_task("arithmetic").generate(100, digits=1)

@@ -3,23 +3,18 @@ from __future__ import annotations
 
 import random
 
-from loongsage.tasks.base import TaskRow, TaskSpec, register
+from loongsage.tasks.base import TaskRow, TaskSpec, draw_unique, register
 
 
 def generate(n: int, seed: int = 0, digits: int = 3, exclude: set[str] | None = None) -> list[TaskRow]:
     rng = random.Random(seed)
     lo, hi = 10 ** (digits - 1), 10**digits - 1
-    rows, seen = [], set(exclude or ())
-    if n > (hi - lo + 1) ** 2 - len(seen):
-        raise ValueError(f"cannot draw {n} distinct {digits}-digit problems")
-    while len(rows) < n:
-        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        prompt = f"{a}+{b}="
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        rows.append(TaskRow(prompt=prompt, answer=str(a + b), tag="arith"))
-    return rows
+
+    def draw() -> tuple[str, TaskRow]:
+        x, y = rng.randint(lo, hi), rng.randint(lo, hi)
+        return f"{x}+{y}=", TaskRow(prompt=f"{x}+{y}=", answer=str(x + y), tag="arith")
+
+    return draw_unique(n, draw, exclude)
 
 
 def reward(response: str, row: TaskRow) -> float:

@@ -33,6 +33,23 @@ class TaskSpec:
 TASKS: dict[str, TaskSpec] = {}
 
 
+def draw_unique(n: int, draw: Callable[[], tuple[str, TaskRow]], exclude: set[str] | None = None,
+                max_tries_per_row: int = 1000) -> list[TaskRow]:
+    """Calls `draw() -> (key, row)` until n rows with distinct keys, none of them in `exclude`."""
+    rows, seen = [], set(exclude or ())
+    tries = 0
+    while len(rows) < n:
+        key, row = draw()
+        tries += 1
+        if tries > max_tries_per_row * n:
+            raise ValueError(f"cannot draw {n} distinct problems (got {len(rows)}); widen the task parameters")
+        if key in seen:
+            continue
+        seen.add(key)
+        rows.append(row)
+    return rows
+
+
 def register(spec: TaskSpec) -> TaskSpec:
     TASKS[spec.name] = spec
     return spec

@@ -10,7 +10,7 @@ import operator
 import random
 import re
 
-from loongsage.tasks.base import TaskRow, TaskSpec, register
+from loongsage.tasks.base import TaskRow, TaskSpec, draw_unique, register
 
 CALCULATOR_TOOL = {
     "type": "function",
@@ -64,18 +64,14 @@ def evaluate_expression(expression: str, max_len: int = 200) -> str:
 def generate(n: int, seed: int = 0, digits: int = 4, exclude: set[str] | None = None) -> list[TaskRow]:
     rng = random.Random(seed)
     lo, hi = 10 ** (digits - 1), 10**digits - 1
-    rows, seen = [], set(exclude or ())
-    while len(rows) < n:
-        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        question = f"{a}*{b}"
-        if question in seen:
-            continue
-        seen.add(question)
-        rows.append(TaskRow(
-            prompt=[{"role": "user", "content": f"{question}=?"}],
-            answer=str(a * b), tag="calc", tools=[CALCULATOR_TOOL], meta={"expression": question},
-        ))
-    return rows
+
+    def draw() -> tuple[str, TaskRow]:
+        x, y = rng.randint(lo, hi), rng.randint(lo, hi)
+        question = f"{x}*{y}"
+        return question, TaskRow(prompt=[{"role": "user", "content": f"{question}=?"}], answer=str(x * y),
+                                 tag="calc", tools=[CALCULATOR_TOOL], meta={"expression": question})
+
+    return draw_unique(n, draw, exclude)
 
 
 def reward(response: str, row: TaskRow) -> float:

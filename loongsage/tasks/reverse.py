@@ -5,20 +5,17 @@ from __future__ import annotations
 import random
 import string
 
-from loongsage.tasks.base import TaskRow, TaskSpec, register
+from loongsage.tasks.base import TaskRow, TaskSpec, draw_unique, register
 
 
 def generate(n: int, seed: int = 0, min_len: int = 4, max_len: int = 8, exclude: set[str] | None = None) -> list[TaskRow]:
     rng = random.Random(seed)
-    rows, seen = [], set(exclude or ())
-    while len(rows) < n:
+
+    def draw() -> tuple[str, TaskRow]:
         word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(min_len, max_len)))
-        prompt = f"reverse:{word}="
-        if prompt in seen:
-            continue
-        seen.add(prompt)
-        rows.append(TaskRow(prompt=prompt, answer=word[::-1], tag="reverse"))
-    return rows
+        return f"reverse:{word}=", TaskRow(prompt=f"reverse:{word}=", answer=word[::-1], tag="reverse")
+
+    return draw_unique(n, draw, exclude)
 
 
 def reward(response: str, row: TaskRow) -> float:
