@@ -23,6 +23,46 @@ def _demo(ns: argparse.Namespace) -> None:
     run_demo(load_config(config, overrides))
 
 
+def _train(ns: argparse.Namespace) -> None:
+    import asyncio
+
+    from loongsage.config import load_config
+    from loongsage.controller.train import train
+    from loongsage.plot import plot_run
+
+    config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
+    summary = asyncio.run(train(load_config(config, overrides)))
+    png = plot_run(summary["run_dir"])
+    print(f"held-out accuracy {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}; curves: {png}")
+
+
+def _sft(ns: argparse.Namespace) -> None:
+    import asyncio
+
+    from loongsage.config import load_config
+    from loongsage.controller.sft import sft_command
+
+    config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
+    asyncio.run(sft_command(load_config(config, overrides)))
+
+
+def _bootstrap(ns: argparse.Namespace) -> None:
+    import asyncio
+
+    from loongsage.config import load_config
+    from loongsage.controller.bootstrap import ensure_base_policy
+
+    config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
+    cfg = load_config(config, overrides + ["bootstrap.enabled=true"])
+    print(asyncio.run(ensure_base_policy(cfg)))
+
+
+def _plot(ns: argparse.Namespace) -> None:
+    from loongsage.plot import plot_run
+
+    print(plot_run(ns.run_dir, ns.out))
+
+
 def _split_config(ns: argparse.Namespace, default: str) -> tuple[str, list[str]]:
     """`CONFIG key=value ...` where CONFIG may be left out (then the first item is an override)."""
     if ns.config is not None and "=" in ns.config:
@@ -93,6 +133,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("overrides", nargs="*", help="dotted overrides, e.g. demo.num_prompts=16")
     d.set_defaults(fn=_demo)
 
+    for name, fn, text in [
+        ("train", _train, "RL training run (controller + Ray trainer/engine actors); writes a run directory"),
+        ("sft", _sft, "supervised fine-tuning on the config's task with the same trainer backend"),
+        ("bootstrap", _bootstrap, "build (or reuse) the recipe's cached base policy: tiny model SFT'd to partial competence"),
+    ]:
+        c = sub.add_parser(name, help=text, description=text + ". CONFIG is a recipe YAML; key=value overrides follow.")
+        c.add_argument("config", nargs="?", default=None, help="recipe YAML (default recipes/arith_grpo.yaml)")
+        c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 trainer.lr=1e-4")
+        c.set_defaults(fn=fn)
+
+    pl = sub.add_parser("plot", help="write a PNG of reward, held-out accuracy and train-inference gap",
+                        description="Plot a run directory's metrics.jsonl (reward, held-out accuracy, gap).")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    pl.set_defaults(fn=_plot)
+
     m = sub.add_parser("make-model", help="build a tiny real-architecture HF model + char tokenizer",
                        description="Build a seeded tiny model (Qwen3/Qwen2/Llama) and save it in HF format.")
     m.add_argument("out", help="output folder")
@@ -110,12 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from loongsage.config import ConfigError
+    from loongsage.tasks.dataset import DataError
 
     ns = build_parser().parse_args(argv)
     try:
         ns.fn(ns)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    except (DataError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

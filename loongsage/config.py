@@ -13,10 +13,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loongsage.algo.config import AlgoConfig
+from loongsage.cluster.config import RayConfig
+from loongsage.controller.config import BootstrapConfig, TrainLoopConfig
 from loongsage.engine.config import EngineConfig
 from loongsage.models.config import ModelConfig
-from loongsage.rollout.config import SamplingConfig
+from loongsage.rollout.config import RolloutConfig, SamplingConfig
 from loongsage.tasks.config import TaskConfig
+from loongsage.trainer.config import TrainerConfig
 
 
 class ConfigError(ValueError):
@@ -37,6 +41,12 @@ class RunConfig(BaseModel):
     task: TaskConfig = TaskConfig()
     engine: EngineConfig = EngineConfig()
     sampling: SamplingConfig = SamplingConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    algo: AlgoConfig = AlgoConfig()
+    train: TrainLoopConfig = TrainLoopConfig()
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    ray: RayConfig = RayConfig()
     demo: DemoConfig = DemoConfig()
 
     @model_validator(mode="after")

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/loongsage demo recipes/engine_demo.yaml "$@"
+exec .venv/bin/loongsage train recipes/arith_grpo.yaml "$@"

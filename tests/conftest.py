@@ -37,3 +37,17 @@ def engine(tiny_model):
 def engine_b(tiny_model_b):
     with launch_engine(tiny_model_b, extra_args=["--max-running", "16", "--context-length", "256"]) as ep:
         yield ep
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Ray started once for the whole test session, on 127.0.0.1."""
+    import ray
+
+    from loongsage.cluster.config import RayConfig
+    from loongsage.cluster.ray_setup import init_ray
+
+    started = init_ray(RayConfig(num_cpus=2))
+    yield
+    if started:
+        ray.shutdown()

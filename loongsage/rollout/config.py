@@ -1,4 +1,4 @@
-"""Sampling settings for rollouts (sent as SGLang `sampling_params`)."""
+"""Rollout settings: engines and batching (`rollout`), sampling (`sampling`, sent as SGLang `sampling_params`)."""
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -21,3 +21,14 @@ class SamplingConfig(BaseModel):
     def sampling_params(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                 "max_new_tokens": self.max_new_tokens}
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    engine: str = Field("embedded", pattern="^(embedded|sglang)$")
+    num_engines: int = Field(1, ge=1)
+    engine_threads: int = Field(1, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
+    dynamic_sampling: bool = Field(True, description="drop groups whose rewards are all equal; sample more")
+    max_sampling_rounds: int = Field(4, ge=1)
+    weight_bucket_mb: float = Field(64.0, gt=0)

@@ -12,6 +12,18 @@ from dataclasses import dataclass, field
 import httpx
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launching process dies (Linux), so an engine
+    never outlives a crashed controller or a killed Ray actor."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -60,7 +72,8 @@ def launch_engine(model: str, host: str = "127.0.0.1", port: int | None = None, 
            "--port", str(port), "--threads", str(threads), *(extra_args or [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
     logf = open(log_path, "ab")
-    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     logf.close()
     ep = EngineProcess(proc, f"http://{host}:{port}", log_path)
     deadline = time.monotonic() + startup_timeout_s

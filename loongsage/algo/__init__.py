@@ -1,0 +1,1 @@
+"""RL algorithm math as pure functions over tensors: advantages, policy losses, IS corrections, KL."""

@@ -1,0 +1,38 @@
+"""Group-relative advantages. `rewards` is [groups, n]: n samples of the same prompt per row."""
+from __future__ import annotations
+
+import torch
+
+
+def grpo(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """(r - group mean) / (group std + eps), std with Bessel's correction as in GRPO."""
+    mean = rewards.mean(dim=1, keepdim=True)
+    std = rewards.std(dim=1, keepdim=True) if rewards.shape[1] > 1 else torch.zeros_like(mean)
+    return (rewards - mean) / (std + eps)
+
+
+def dr_grpo(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO: r - group mean, no std normalisation (no difficulty bias)."""
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+def rloo(rewards: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out baseline: r_i - mean of the other n-1 rewards."""
+    n = rewards.shape[1]
+    if n < 2:
+        raise ValueError("RLOO needs at least 2 samples per prompt")
+    return (rewards - rewards.mean(dim=1, keepdim=True)) * n / (n - 1)
+
+
+ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
+
+
+def compute(name: str, rewards: torch.Tensor) -> torch.Tensor:
+    if name not in ESTIMATORS:
+        raise ValueError(f"advantage estimator: expected one of {sorted(ESTIMATORS)}, got {name!r}")
+    return ESTIMATORS[name](rewards)
+
+
+def keep_informative_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """Dynamic sampling (DAPO): a [groups] bool mask, False where all rewards of a group are equal."""
+    return (rewards.max(dim=1).values - rewards.min(dim=1).values) > 0

@@ -1,0 +1,1 @@
+"""Ray: starting or joining a cluster, kept on loopback for local runs."""

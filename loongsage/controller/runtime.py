@@ -1,0 +1,60 @@
+"""The actors one run drives: trainer group, engine group, router and weight sync, started and
+stopped together (so SFT, bootstrap and RL share one way of bringing a run up and down)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ray
+
+from loongsage.cluster.config import RayConfig
+from loongsage.cluster.ray_setup import init_ray
+from loongsage.engine.config import EngineConfig
+from loongsage.rollout.config import RolloutConfig
+from loongsage.rollout.engine_group import EngineGroup
+from loongsage.rollout.router import Router
+from loongsage.trainer.config import TrainerConfig
+from loongsage.trainer.group import TrainerGroup
+from loongsage.transfer.distributed_sync import DistributedWeightSync
+
+
+@dataclass
+class Runtime:
+    trainers: TrainerGroup
+    engines: EngineGroup
+    router: Router
+    sync: DistributedWeightSync
+    ray_started: bool
+    reference: TrainerGroup | None = None  # frozen initial policy, for a KL penalty
+
+
+    @classmethod
+    async def start(cls, model_dir: str, trainer: TrainerConfig, engine: EngineConfig, rollout: RolloutConfig,
+                    ray_cfg: RayConfig, with_reference: bool = False) -> "Runtime":
+        started = init_ray(ray_cfg)
+        trainers = engines = reference = None
+        try:
+            trainers = TrainerGroup(trainer, model_dir)
+            reference = TrainerGroup(trainer, model_dir) if with_reference else None
+            engines = EngineGroup(model_dir, engine, rollout)
+            sync = DistributedWeightSync(trainers, engines.urls, engine_dtype=engine.dtype,
+                                         bucket_mb=rollout.weight_bucket_mb,
+                                         backend="nccl" if trainer.device.startswith("cuda") else "gloo")
+            await sync.setup()
+        except BaseException:
+            for group in (engines, trainers, reference):
+                if group is not None:
+                    group.shutdown()
+            if started:
+                ray.shutdown()
+            raise
+        return cls(trainers, engines, Router(engines.urls), sync, started, reference)
+
+    async def close(self) -> None:
+        await self.router.aclose()
+        await self.sync.aclose()
+        self.engines.shutdown()
+        self.trainers.shutdown()
+        if self.reference is not None:
+            self.reference.shutdown()
+        if self.ray_started:
+            ray.shutdown()

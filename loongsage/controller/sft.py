@@ -1,0 +1,89 @@
+"""Supervised fine-tuning with the same trainer backend, engines and weight sync as RL.
+
+Targets are each row's answer followed by the end token; the loss covers only those tokens.
+Every `eval_every` steps the weights go to the engine and dev accuracy (train rows held back)
+decides whether the target competence is reached.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+from rich.console import Console
+from transformers import AutoTokenizer
+
+from loongsage.config import dump_config
+from loongsage.models.prepare import resolve_model
+from loongsage.tasks.base import get_task
+from loongsage.tasks.prepare import prepare_data
+from loongsage.trainer.config import TrainerConfig
+
+from loongsage.controller.evaluate import evaluate
+from loongsage.controller.runtime import Runtime
+from loongsage.sample import Sample
+from loongsage.tasks.base import TaskRow, TaskSpec
+from loongsage.tasks.prepare import prompt_ids
+from loongsage.trainer.batch import collate
+
+
+def sft_sample(tokenizer, row: TaskRow) -> Sample:
+    ids = prompt_ids(tokenizer, row)
+    end = tokenizer.eos_token if isinstance(row.prompt, str) else "<|im_end|>"
+    target = tokenizer(row.answer + end, add_special_tokens=False)["input_ids"]
+    n = len(target)
+    return Sample(ids, target, [1] * n, [0.0] * n, [-1] * n, tag=row.tag)
+
+
+async def run_sft(rt: Runtime, tokenizer, rows: list[TaskRow], dev: list[TaskRow], spec: TaskSpec, cfg,
+                  max_new_tokens: int, seed: int = 0, console: Console | None = None) -> dict:
+    """`cfg` is an SFTConfig. Returns the last dev accuracy, steps and seconds."""
+    console = console or Console()
+    rng = random.Random(seed)
+    samples = [sft_sample(tokenizer, r) for r in rows]
+    t0 = time.perf_counter()
+    acc, step = 0.0, 0
+    for step in range(1, cfg.max_steps + 1):
+        batch = collate(rng.sample(samples, min(cfg.batch_size, len(samples))), tokenizer.pad_token_id)
+        m = await rt.trainers.train_step(batch, "sft", None)
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            await rt.sync.push(step)
+            acc = (await evaluate(rt.router, tokenizer, dev, spec, max_new_tokens))["eval/accuracy"]
+            console.print(f"[sft] step {step}: loss {m['loss/sft']:.3f}, dev accuracy {acc:.3f} "
+                          f"({time.perf_counter() - t0:.0f}s)")
+            if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
+                break
+    return {"dev_accuracy": acc, "steps": step, "seconds": time.perf_counter() - t0}
+
+
+async def sft_to(cfg, init: Path, out: Path, console: Console) -> dict:
+    """SFT the model at `init` on the run config's task (cfg.bootstrap.sft settings); saves to `out`."""
+    sft = cfg.bootstrap.sft
+    train_rows, _ = prepare_data(cfg.task)
+    if len(train_rows) <= sft.dev_size:
+        raise ValueError(f"bootstrap.sft.dev_size ({sft.dev_size}) leaves no SFT rows of {len(train_rows)}")
+    rows, dev = train_rows[: -sft.dev_size], train_rows[-sft.dev_size:]
+    trainer = TrainerConfig(**{**cfg.trainer.model_dump(), "lr": sft.lr, "betas": sft.betas,
+                               "warmup_steps": sft.warmup_steps, "lr_schedule": "constant", "bf16": False})
+    rt = await Runtime.start(str(init), trainer, cfg.engine, cfg.rollout, cfg.ray)
+    try:
+        tok = AutoTokenizer.from_pretrained(init)
+        result = await run_sft(rt, tok, rows, dev, get_task(cfg.task.name), sft, cfg.sampling.max_new_tokens,
+                               cfg.seed, console)
+        await rt.trainers.save(str(out))
+    finally:
+        await rt.close()
+    (out / "sft.json").write_text(json.dumps(result))
+    return result
+
+
+async def sft_command(cfg) -> dict:
+    """`loongsage sft CONFIG`: SFT into RUN_DIR/checkpoints/final."""
+    console = Console()
+    run_dir = cfg.resolve_run_dir()
+    dump_config(cfg, run_dir / "config.yaml")
+    result = await sft_to(cfg, resolve_model(cfg.model), run_dir / "checkpoints" / "final", console)
+    console.print(f"[sft] dev accuracy {result['dev_accuracy']:.3f} after {result['steps']} steps; "
+                  f"model at {run_dir / 'checkpoints' / 'final'}")
+    return result

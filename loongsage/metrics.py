@@ -1,0 +1,51 @@
+"""Metric records: one JSON object per training step in `metrics.jsonl`, mirrored to TensorBoard.
+
+Stable names (DESIGN.md's run-directory contract): step, version, reward/mean, reward/<tag>/mean,
+samples/trained, samples/dropped_stale, samples/filtered_groups, staleness/mean, staleness/max,
+mismatch/kl, mismatch/abs_logprob_diff, time/step_s, time/generate_s, time/train_s,
+time/generate_busy_frac, time/train_busy_frac, time/weight_sync_s, loss/*, is/*, train/*,
+and eval/accuracy, eval/<tag>/accuracy on the steps an evaluation ran after (step 0: before training).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+REQUIRED = ["step", "version", "reward/mean", "samples/trained", "samples/dropped_stale", "staleness/mean",
+            "staleness/max", "mismatch/kl", "mismatch/abs_logprob_diff", "time/step_s",
+            "time/generate_busy_frac", "time/train_busy_frac", "time/weight_sync_s"]
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k, v, record["step"])
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics (is {run_dir} a run directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

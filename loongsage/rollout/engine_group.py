@@ -1,0 +1,42 @@
+"""Inference engines as Ray actors: each launches one server (embedded engine, or SGLang on GPU)
+on a free port of its node, waits for `/health`, and owns the process's lifetime."""
+from __future__ import annotations
+
+import ray
+from loongsage.engine.config import EngineConfig
+from loongsage.rollout.config import RolloutConfig
+
+
+class EngineActor:
+    def __init__(self, model_path: str, cfg: dict, threads: int, kind: str):
+        from loongsage.rollout.launcher import launch_engine
+
+        ecfg = EngineConfig.model_validate(cfg)
+        if kind != "embedded":
+            raise NotImplementedError("rollout.engine=sglang needs a GPU node (see the Megatron/SGLang issue)")
+        self.proc = launch_engine(model_path, threads=threads, extra_args=ecfg.cli_args())
+
+    def url(self) -> str:
+        return self.proc.url
+
+    def log_tail(self) -> str:
+        return self.proc.log_tail()
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+class EngineGroup:
+    def __init__(self, model_path: str, engine_cfg: EngineConfig, rollout: RolloutConfig):
+        actor = ray.remote(num_cpus=0)(EngineActor)
+        self.actors = [actor.remote(str(model_path), engine_cfg.model_dump(), rollout.engine_threads, rollout.engine)
+                       for _ in range(rollout.num_engines)]
+        self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in self.actors:
+            try:
+                ray.get(a.stop.remote(), timeout=30)
+            except Exception:
+                pass
+            ray.kill(a)

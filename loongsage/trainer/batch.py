@@ -1,0 +1,76 @@
+"""TrainBatch: samples collated into right-padded tensors aligned to next-token targets.
+
+Column t of every [B, L-1] tensor scores token t+1 of `input_ids`, so a response token at
+position p sits in column p-1. Shards for data-parallel ranks are padded with fully masked rows,
+so every rank runs the same number of micro-batches (FSDP collectives must line up).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from loongsage.sample import Sample
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L-1] float
+    behavior_logprobs: torch.Tensor  # [B, L-1]
+    advantages: torch.Tensor  # [B, L-1]
+    proximal_logprobs: torch.Tensor | None = None  # [B, L-1], filled by the trainer
+    ref_logprobs: torch.Tensor | None = None
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> float:
+        return float(self.loss_mask.sum())
+
+    @property
+    def num_sequences(self) -> float:
+        return float((self.loss_mask.sum(dim=1) > 0).sum())
+
+    def select(self, idx) -> "TrainBatch":
+        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])
+                             for f in fields(self)})
+
+    def shards(self, n: int) -> list["TrainBatch"]:
+        """n equal-sized shards; missing rows are copies of row 0 with an all-zero loss mask."""
+        per = -(-self.size // n)
+        out = []
+        for r in range(n):
+            idx = list(range(r * per, min((r + 1) * per, self.size)))
+            pad = per - len(idx)
+            shard = self.select(idx + [0] * pad)
+            if pad:
+                shard.loss_mask[len(idx):] = 0.0
+            out.append(shard)
+        return out
+
+    def micro_batches(self, size: int) -> list["TrainBatch"]:
+        return [self.select(slice(i, i + size)) for i in range(0, self.size, size)]
+
+
+def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
+    L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    B = len(samples)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, L), dtype=torch.long)
+    loss_mask = torch.zeros((B, L - 1))
+    behavior = torch.zeros((B, L - 1))
+    adv = torch.zeros((B, L - 1))
+    for i, s in enumerate(samples):
+        ids = s.prompt_ids + s.response_ids
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        lo, hi = len(s.prompt_ids) - 1, len(ids) - 1
+        if s.response_ids:
+            loss_mask[i, lo:hi] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            behavior[i, lo:hi] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
+            adv[i, lo:hi] = s.advantage
+    return TrainBatch(input_ids, attention, loss_mask, behavior, adv)

@@ -1,0 +1,24 @@
+"""Settings of the trainer group and its optimizer (the `trainer` section of a run config)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TrainerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    backend: Literal["fsdp"] = "fsdp"
+    world_size: int = Field(1, ge=1, description="trainer ranks (Ray actors)")
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    total_steps: int | None = Field(None, ge=1, description="for cosine/linear decay")
+    max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
+    micro_batch_size: int = Field(64, ge=1)
+    bf16: bool = False
+    threads: int = Field(1, ge=1, description="torch threads per rank")
+    device: str = "cpu"
+    seed: int = 0

@@ -1,0 +1,179 @@
+"""Torch FSDP2 backend: `fully_shard` per decoder layer and at the root, gloo on CPU, NCCL on GPU.
+
+The loss of a step is the sum over micro-batches and ranks of per-token terms divided by the
+*global* denominator, so 1 rank and N ranks (and any micro-batch size) give the same update.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoModelForCausalLM
+
+from loongsage.algo.losses import LossConfig, PolicyInputs, policy_loss, sft_loss
+from loongsage.trainer.batch import TrainBatch
+from loongsage.trainer.config import TrainerConfig
+
+ADDITIVE = {"loss/policy", "loss/sft"}  # summed over micro-batches and ranks; the rest are averaged
+
+
+def lr_factor(step: int, cfg: TrainerConfig) -> float:
+    """Linear warm-up, then constant, linear or cosine decay to 0 at `total_steps`."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.lr_schedule == "constant" or not cfg.total_steps:
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    if cfg.lr_schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return chosen, entropy
+
+
+class FSDPBackend:
+    def __init__(self, cfg: TrainerConfig, model_path: str):
+        self.cfg = cfg
+        self.model_path = str(model_path)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(cfg.device if cfg.device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+        self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        model.to(self.device)
+        mesh = init_device_mesh(self.device.type, (self.world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else MixedPrecisionPolicy()
+        for layer in _decoder_layers(model):
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(step, cfg))
+        self.version = 0
+
+    # ---- forward ----------------------------------------------------------------------------
+    def _forward(self, mb: TrainBatch, with_entropy: bool):
+        ids = mb.input_ids.to(self.device)
+        out = self.model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device), use_cache=False)
+        return token_logprobs(out.logits[:, :-1], ids[:, 1:], with_entropy)
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
+        self.model.eval()
+        lps, ents = [], []
+        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+            lp, ent = self._forward(mb, with_entropy)
+            lps.append(lp.cpu())
+            ents.append(ent.cpu() if ent is not None else None)
+        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+    # ---- training ---------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float) -> dict[str, float]:
+        self.model.train()
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+            need_entropy = loss == "policy"
+            lp, ent = self._forward(mb, need_entropy and bool(loss_cfg and loss_cfg.entropy_coef > 0))
+            mask = mb.loss_mask.to(self.device)
+            if loss == "sft":
+                value, metrics = sft_loss(lp, mask, denominator)
+            elif loss == "policy":
+                if mb.proximal_logprobs is None:
+                    raise ValueError("policy loss needs proximal_logprobs (compute_logprobs first)")
+                x = PolicyInputs(lp, mb.proximal_logprobs.to(self.device), mb.behavior_logprobs.to(self.device),
+                                 mb.advantages.to(self.device), mask, ent,
+                                 None if mb.ref_logprobs is None else mb.ref_logprobs.to(self.device))
+                value, metrics = policy_loss(x, loss_cfg, denominator)
+            else:
+                raise ValueError(f"loss: expected 'policy' or 'sft', got {loss!r}")
+            # FSDP averages gradients over ranks; the global denominator already normalises.
+            (value * self.world).backward()
+            w = float(mask.sum())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + (v if k in ADDITIVE else v * w)
+                weights[k] = weights.get(k, 0.0) + w
+        grad_norm = 0.0
+        if self.cfg.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+            grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.version += 1
+        out = {k: (v if k in ADDITIVE else v / max(weights[k], 1e-9)) for k, v in sums.items()}
+        out.update({"train/grad_norm": grad_norm, "train/lr": self.scheduler.get_last_lr()[0],
+                    "train/tokens": float(batch.loss_mask.sum())})
+        return out
+
+    # ---- weights ----------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        if self.tied:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def weight_meta(self) -> list[tuple[str, str, list[int]]]:
+        out = []
+        for name, p in self.model.named_parameters():
+            if self.tied and name == "lm_head.weight":
+                continue
+            out.append((name, str(p.dtype).removeprefix("torch."), list(p.shape)))
+        return out
+
+    def save(self, path: str) -> None:
+        """An HF folder (loadable by engines and transformers) plus the optimizer state."""
+        sd = self.full_state_dict()
+        osd = get_optimizer_state_dict(self.model, self.optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
+            for f in Path(self.model_path).iterdir():  # config, tokenizer, generation config, ...
+                if f.is_file() and f.suffix not in (".safetensors", ".pt", ".bin") and f.name != "model.safetensors.index.json":
+                    shutil.copy(f, out / f.name)
+            torch.save({"optimizer": osd, "scheduler": self.scheduler.state_dict(), "version": self.version},
+                       out / "trainer_state.pt")
+            (out / "loongsage_checkpoint.json").write_text(json.dumps({"version": self.version}))
+        dist.barrier()
+
+    def load(self, path: str) -> None:
+        sd = load_file(str(Path(path) / "model.safetensors"))
+        if self.tied:
+            sd.pop("lm_head.weight", None)  # the tied parameter is loaded through the embedding
+        set_model_state_dict(self.model, sd, options=StateDictOptions(full_state_dict=True, strict=False))
+        state_file = Path(path) / "trainer_state.pt"
+        if state_file.exists():
+            state = torch.load(state_file, weights_only=False)
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"],
+                                     options=StateDictOptions(full_state_dict=True))
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.version = state["version"]
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: cannot find the decoder layers to shard")
+    return list(layers)

@@ -1,0 +1,69 @@
+"""The trainer group: N `TrainerRank` Ray actors driven together by the controller."""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+import torch
+
+from loongsage.algo.losses import LossConfig
+from loongsage.rollout.launcher import free_port
+from loongsage.trainer.batch import TrainBatch
+from loongsage.trainer.config import TrainerConfig
+from loongsage.trainer.fsdp import ADDITIVE
+from loongsage.trainer.worker import TrainerRank
+
+
+class TrainerGroup:
+    def __init__(self, cfg: TrainerConfig, model_path: str):
+        self.cfg = cfg
+        world = cfg.world_size
+        actor = ray.remote(num_cpus=0, num_gpus=1 if cfg.device.startswith("cuda") else 0)(TrainerRank)
+        port = free_port()
+        self.ranks = [actor.remote(cfg.model_dump(), str(model_path), r, world, "127.0.0.1", port)
+                      for r in range(world)]
+        ray.get([r.ready.remote() for r in self.ranks])
+
+    @property
+    def rank0(self):
+        return self.ranks[0]
+
+    async def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
+        shards = batch.shards(len(self.ranks))
+        outs = await asyncio.gather(*[r.compute_logprobs.remote(s, with_entropy) for r, s in zip(self.ranks, shards)])
+        lp = torch.cat([o[0] for o in outs])[: batch.size]
+        ent = torch.cat([o[1] for o in outs])[: batch.size] if with_entropy else None
+        return lp, ent
+
+    async def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None) -> dict[str, float]:
+        denominator = batch.num_tokens if (loss_cfg is None or loss_cfg.aggregation == "token_mean") else batch.num_sequences
+        shards = batch.shards(len(self.ranks))
+        cfg = None if loss_cfg is None else loss_cfg.model_dump()
+        per_rank = await asyncio.gather(*[r.train_step.remote(s, loss, cfg, max(denominator, 1.0))
+                                          for r, s in zip(self.ranks, shards)])
+        out = {}
+        for key in per_rank[0]:
+            vals = [m[key] for m in per_rank if key in m]
+            out[key] = sum(vals) if key in ADDITIVE or key == "train/tokens" else sum(vals) / len(vals)
+        out["train/grad_norm"] = per_rank[0]["train/grad_norm"]
+        return out
+
+    def weight_meta(self) -> list[tuple[str, str, list[int]]]:
+        return ray.get(self.rank0.weight_meta.remote())
+
+    async def save(self, path: str) -> None:
+        await asyncio.gather(*[r.save.remote(path) for r in self.ranks])
+
+    async def load(self, path: str) -> None:
+        await asyncio.gather(*[r.load.remote(path) for r in self.ranks])
+
+    async def version(self) -> int:
+        return await self.rank0.version.remote()
+
+    def shutdown(self) -> None:
+        for r in self.ranks:
+            try:
+                ray.get(r.shutdown.remote(), timeout=10)
+            except Exception:
+                pass
+            ray.kill(r)

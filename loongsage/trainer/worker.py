@@ -1,0 +1,87 @@
+"""One trainer rank as a Ray actor: joins torch.distributed, holds a backend, serves the controller.
+
+Rank 0 also joins the weight-update group with the engines and broadcasts weights there.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from loongsage.algo.losses import LossConfig
+from loongsage.trainer.batch import TrainBatch
+from loongsage.trainer.config import TrainerConfig
+from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
+
+
+class TrainerRank:
+    def __init__(self, cfg: dict, model_path: str, rank: int, world: int, master_addr: str, master_port: int):
+        self.cfg = TrainerConfig.model_validate(cfg)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        torch.set_num_threads(self.cfg.threads)
+        backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(minutes=10))
+        self.rank = rank
+        if self.cfg.backend == "fsdp":
+            from loongsage.trainer.fsdp import FSDPBackend
+
+            self.backend = FSDPBackend(self.cfg, model_path)
+        else:  # validated by the config schema
+            raise ValueError(f"trainer.backend: unknown {self.cfg.backend!r}")
+        self.weight_group = None
+
+    def ready(self) -> int:
+        return self.backend.version
+
+    def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
+        return self.backend.compute_logprobs(batch, with_entropy)
+
+    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: dict | None, denominator: float) -> dict:
+        cfg = None if loss_cfg is None else LossConfig.model_validate(loss_cfg)
+        return self.backend.train_step(batch, loss, cfg, denominator)
+
+    def weight_meta(self) -> list:
+        return self.backend.weight_meta()
+
+    def init_weight_group(self, master_address: str, port: int, world_size: int, group_name: str, backend: str) -> bool:
+        if self.rank == 0:
+            self.weight_group = new_weight_group(backend, master_address, port, 0, world_size, group_name)
+        return True
+
+    def destroy_weight_group(self) -> None:
+        self.weight_group = None
+
+    def broadcast_weights(self, buckets: list[list[str]], dtype: str | None) -> float:
+        """Gathers full weights (all ranks), then rank 0 broadcasts one flat tensor per bucket."""
+        sd = self.backend.full_state_dict()
+        if self.rank != 0:
+            return 0.0
+        if self.weight_group is None:
+            raise RuntimeError("broadcast_weights before init_weight_group")
+        cast = dtype_from_name(dtype) if dtype else None
+        total = 0
+        for names in buckets:
+            flat = torch.cat([sd[n].reshape(-1) for n in names])
+            if cast is not None:
+                flat = flat.to(cast)
+            broadcast(self.weight_group, flat)
+            total += flat.numel() * flat.element_size()
+        return float(total)
+
+    def save(self, path: str) -> None:
+        self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        self.backend.load(path)
+
+    def version(self) -> int:
+        return self.backend.version
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""Weights from trainer rank 0 to every engine over one collective group (gloo on CPU, NCCL on GPU).
+
+Buckets of about `bucket_mb` are broadcast as single flat tensors while each engine receives the
+same bucket through `/update_weights_from_distributed` (flattened_bucket). The last bucket carries
+the new version; every engine must then report that version before it serves again.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from loongsage.rollout.client import EngineClient
+from loongsage.rollout.launcher import free_port
+from loongsage.trainer.group import TrainerGroup
+
+
+def plan_buckets(meta: list[tuple[str, str, list[int]]], bucket_bytes: int, elem_size: int) -> list[list[int]]:
+    """Indices of `meta` per bucket, in order; a tensor larger than a bucket gets its own."""
+    buckets, current, size = [], [], 0
+    for i, (_, _, shape) in enumerate(meta):
+        n = elem_size
+        for d in shape:
+            n *= d
+        if current and size + n > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += n
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class DistributedWeightSync:
+    def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str = "float32",
+                 bucket_mb: float = 64.0, backend: str = "gloo", group_name: str = "loongsage_weights"):
+        self.trainers = trainers
+        self.clients = [EngineClient(u) for u in engine_urls]
+        self.dtype = engine_dtype
+        self.backend, self.group_name = backend, group_name
+        self.meta = trainers.weight_meta()
+        elem = 2 if engine_dtype in ("bfloat16", "float16") else 4
+        self.buckets = plan_buckets(self.meta, int(bucket_mb * 2**20), elem)
+
+    async def setup(self) -> None:
+        port = free_port()
+        world = 1 + len(self.clients)
+        await asyncio.gather(
+            self.trainers.rank0.init_weight_group.remote("127.0.0.1", port, world, self.group_name, self.backend),
+            *[c.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1 + i,
+                                          world_size=world, backend=self.backend, group_name=self.group_name)
+              for i, c in enumerate(self.clients)])
+
+    async def push(self, version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        names = [[self.meta[i][0] for i in b] for b in self.buckets]
+        sending = asyncio.ensure_future(asyncio.gather(*[r.broadcast_weights.remote(names, self.dtype)
+                                                         for r in self.trainers.ranks]))
+        for k, bucket in enumerate(self.buckets):
+            last = k == len(self.buckets) - 1
+            await asyncio.gather(*[c.update_weights_from_distributed(
+                names=[self.meta[i][0] for i in bucket], dtypes=[self.dtype] * len(bucket),
+                shapes=[self.meta[i][2] for i in bucket], weight_version=version if last else None,
+                group_name=self.group_name, flattened=True) for c in self.clients])
+        sent = (await sending)[0]
+        infos = await asyncio.gather(*[c.model_info() for c in self.clients])
+        bad = [(c.base_url, i["weight_version"]) for c, i in zip(self.clients, infos) if i["weight_version"] != str(version)]
+        if bad:
+            raise RuntimeError(f"weight sync to version {version} not confirmed by {bad}")
+        return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": sent}
+
+    async def aclose(self) -> None:
+        for c in self.clients:
+            await c.aclose()

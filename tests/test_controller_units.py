@@ -1,0 +1,71 @@
+"""Pure pieces of the controller path: collate/shards, router choice, LR schedule, sampler, metrics."""
+from __future__ import annotations
+
+import pytest
+
+from loongsage.controller.sampler import PromptSampler
+from loongsage.metrics import MetricsWriter, read_metrics
+from loongsage.rollout.router import Router
+from loongsage.sample import Sample
+from loongsage.tasks.base import TaskRow
+from loongsage.trainer.batch import collate
+from loongsage.trainer.config import TrainerConfig
+from loongsage.trainer.fsdp import lr_factor
+
+
+def test_collate_aligns_response_tokens_to_next_token_columns():
+    s1 = Sample([5, 6, 7], [8, 9], [1, 0], [-0.5, -0.7], [3, 3], advantage=2.0)
+    s2 = Sample([5], [4, 3, 2], [1, 1, 1], [-1.0, -2.0, -3.0], [2, 2, 3], advantage=-1.0)
+    b = collate([s1, s2], pad_id=0)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9], [5, 4, 3, 2, 0]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]
+    # column t scores token t+1: s1's response starts at position 3 -> column 2
+    assert b.loss_mask.tolist() == [[0, 0, 1, 0], [1, 1, 1, 0]]
+    assert b.behavior_logprobs[0, 2].item() == -0.5 and b.behavior_logprobs[1, 2].item() == -3.0
+    assert b.advantages[0].tolist() == [0, 0, 2.0, 2.0] and b.advantages[1, :3].tolist() == [-1.0] * 3
+    assert s2.min_version == 2 and s1.min_version == 3
+    shards = b.shards(3)
+    assert [s.size for s in shards] == [1, 1, 1] and shards[2].loss_mask.sum() == 0  # padded, masked
+    with pytest.raises(ValueError, match="must align"):
+        Sample([1], [2, 3], [1], [0.0, 0.0], [0, 0])
+
+
+def test_router_least_outstanding_and_sticky_sessions():
+    r = Router(["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"])
+    r.outstanding = [3, 1, 2]
+    assert r.pick() == 1
+    assert r.pick("conv-a") == 1
+    r.outstanding = [0, 9, 9]
+    assert r.pick("conv-a") == 1  # sticks to the engine holding its prefix
+    assert r.pick("conv-b") == 0
+    with pytest.raises(ValueError):
+        Router([])
+
+
+def test_lr_schedules():
+    warm = TrainerConfig(warmup_steps=4)
+    assert [lr_factor(s, warm) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    cos = TrainerConfig(lr_schedule="cosine", total_steps=10)
+    assert lr_factor(0, cos) == 1.0 and lr_factor(5, cos) == pytest.approx(0.5) and lr_factor(10, cos) == pytest.approx(0.0)
+    lin = TrainerConfig(lr_schedule="linear", total_steps=4, warmup_steps=0)
+    assert lr_factor(2, lin) == 0.5
+
+
+def test_sampler_covers_every_row_each_epoch():
+    rows = [TaskRow(prompt=str(i), answer="x") for i in range(5)]
+    s = PromptSampler(rows, seed=1)
+    first = s.take(5)
+    assert sorted(r.prompt for r in first) == [str(i) for i in range(5)]
+    assert len(s.take(7)) == 7 and s.epoch == 3
+
+
+def test_metrics_jsonl_and_tensorboard(tmp_path):
+    w = MetricsWriter(tmp_path)
+    w.write({"step": 0, "eval/accuracy": 0.5})
+    w.write({"step": 1, "reward/mean": float("nan"), "note": "x"})
+    w.close()
+    recs = read_metrics(tmp_path)
+    assert recs[0]["eval/accuracy"] == 0.5 and recs[1]["reward/mean"] is None
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    with pytest.raises(FileNotFoundError, match="no metrics"):
+        read_metrics(tmp_path / "nothing")
