@@ -63,6 +63,12 @@ def _plot(ns: argparse.Namespace) -> None:
     print(plot_run(ns.run_dir, ns.out))
 
 
+def _timeline(ns: argparse.Namespace) -> None:
+    from loongsage.timeline import render_timeline
+
+    print(render_timeline(ns.run_dir, ns.out, ns.last_s or None))
+
+
 def _split_config(ns: argparse.Namespace, default: str) -> tuple[str, list[str]]:
     """`CONFIG key=value ...` where CONFIG may be left out (then the first item is an override)."""
     if ns.config is not None and "=" in ns.config:
@@ -148,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
     pl.set_defaults(fn=_plot)
+
+    tl = sub.add_parser("timeline", help="render a run's timeline.json as a PNG (idle bubbles are the gaps)",
+                        description="Render RUN_DIR/timeline.json (Chrome/Perfetto trace) as a PNG.")
+    tl.add_argument("run_dir")
+    tl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/timeline.png)")
+    tl.add_argument("--last-s", type=float, default=30.0, help="seconds at the end to show (0: all)")
+    tl.set_defaults(fn=_timeline)
 
     m = sub.add_parser("make-model", help="build a tiny real-architecture HF model + char tokenizer",
                        description="Build a seeded tiny model (Qwen3/Qwen2/Llama) and save it in HF format.")

@@ -229,3 +229,37 @@ def test_release_and_resume_memory_frees_rss_and_keeps_outputs(big_engine):
     call(big_engine.url, lambda c: c.resume_memory(None))
     _assert_same(_fingerprint(big_engine.url), before)
     assert info["memory_released"] is False
+
+
+def test_partial_rollout_spans_a_weight_update_with_exact_per_version_logprobs(reset_engine, tiny_model, tiny_model_b):
+    """retract mode: the in-flight request keeps its tokens, its KV is recomputed with the new weights,
+    and every recorded logprob is exactly that of the version that produced the token."""
+    from helpers import reference_logprobs
+
+    ids = [21, 22, 23, 24]
+    sp = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+
+    async def go(client):
+        control = type(client)(client.base_url)
+
+        async def swap_weights():
+            await control.pause("retract")
+            await control.update_weights_from_disk(tiny_model_b, weight_version=1)
+            await control.resume()
+        try:
+            return await _stream_until(client, ids, sp, 10, swap_weights, return_logprob=True)
+        finally:
+            await control.aclose()
+
+    final = run(with_client(reset_engine.url, go))[-1]
+    versions = final["meta_info"]["output_token_weight_versions"]
+    out = final["output_ids"]
+    cut = versions.index(1)
+    assert len(out) == 60 and versions == [0] * cut + [1] * (60 - cut) and cut >= 10
+    lps = [t[0] for t in final["meta_info"]["output_token_logprobs"]]
+    ref_a = reference_logprobs(tiny_model, ids + out)
+    ref_b = reference_logprobs(tiny_model_b, ids + out)
+    P = len(ids)
+    for j, tok in enumerate(out):
+        ref = ref_a if versions[j] == 0 else ref_b
+        assert abs(ref[P - 1 + j, tok].item() - lps[j]) < 1e-4, (j, versions[j])

@@ -1,22 +1,24 @@
 """`loongsage train`: the RL run loop, top to bottom.
 
-    controller (this process, asyncio)
-      ├─ sample prompts ─► router ─► engines (Ray actors, HTTP)  ─► n samples / prompt + rewards
-      │     dynamic sampling: groups with all-equal rewards are dropped and more are drawn
-      ├─ advantages (algo) ─► collate ─► trainer group (Ray actors, FSDP2)
-      │     compute_logprobs (proximal) ─► train_step (decoupled PPO + IS) ─► version v+1
-      └─ weight sync: trainer rank 0 ─broadcast─► engines (/update_weights_from_distributed),
-            each engine confirms v+1 before it serves again; held-out eval every `eval_every`.
+    producer task (controller/producer.py) ──────────────── consumer: this loop
+      admits a prompt while the window has room               takes B informative, in-window groups
+      ─► router ─► engines (Ray actors, HTTP): n samples      ─► advantages ─► TrainBatch
+         + behaviour logprobs + per-token versions            ─► trainer ranks (Ray, FSDP2):
+      ─► verifier rewards ─► buffer (asyncio.Queue)              proximal logprobs, train_step ─► v+1
+                                                              ─► engines pause (in_place/retract),
+                                                                 weights broadcast, version confirmed,
+                                                                 continue; too-old in-flight cancelled
 
-This loop is synchronous: generation for step t uses exactly version t-1 (staleness 0), and the
-engine is idle while the trainer works. The asynchronous pipeline (sliding staleness window,
-partial rollouts) replaces the "generate" phase with a producer that runs ahead, same metrics.
+Back-pressure is the staleness window (loongsage/buffer.py): at most (k + 1 + v) * B groups are ever
+admitted by version v, so generation runs at most k versions ahead of training. With k = 0 nothing is
+admitted until the weights of the previous step are on the engines: the synchronous schedule, by the
+same code path. Groups found stale anyway are evicted and counted (`samples/dropped_stale`).
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 from rich.console import Console
@@ -25,16 +27,18 @@ from transformers import AutoTokenizer
 
 from loongsage.algo import advantages as adv
 from loongsage.algo.mismatch import train_inference_gap
+from loongsage.buffer import StalenessWindow
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy
 from loongsage.controller.evaluate import evaluate
+from loongsage.controller.producer import RolloutProducer
 from loongsage.controller.runtime import Runtime
 from loongsage.controller.sampler import PromptSampler
 from loongsage.metrics import MetricsWriter
-from loongsage.rollout.single_turn import sample_group
 from loongsage.sample import Sample
 from loongsage.tasks.base import get_task
 from loongsage.tasks.prepare import prepare_data
+from loongsage.timeline import Timeline
 from loongsage.trainer.batch import collate
 
 
@@ -49,19 +53,29 @@ async def train(cfg: RunConfig) -> dict:
     rt = await Runtime.start(str(base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
                              with_reference=cfg.algo.loss.kl_coef > 0)
     metrics = MetricsWriter(run_dir)
-    sampler = PromptSampler(train_rows, cfg.seed)
+    ro = cfg.rollout
+    window = StalenessWindow(ro.max_staleness, ro.prompts_per_step,
+                             ro.max_inflight_groups or (ro.max_staleness + 1) * ro.prompts_per_step)
+    timeline = Timeline()
+    producer = RolloutProducer(rt, tok, spec, PromptSampler(train_rows, cfg.seed), window,
+                               cfg.sampling.sampling_params(), cfg.sampling.n, timeline)
     t_start = time.perf_counter()
     summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
+    producing = None
     try:
         first = await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)
         metrics.write({"step": 0, "version": 0, **first})
         summary["eval_before"] = first["eval/accuracy"]
         console.print(f"held-out accuracy before training: {first['eval/accuracy']:.3f}")
-        last_eval = first
+        producing = asyncio.create_task(producer.run())
+        clock = _Clock(producer)
         with _progress(console) as bar:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0)
             for step in range(1, cfg.train.steps + 1):
-                record, last_eval = await _step(step, cfg, rt, tok, spec, sampler, eval_rows, last_eval)
+                record = await _step(step, cfg, rt, tok, producer, window, clock, timeline)
+                if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
+                    with timeline.span("eval", f"eval {step}"):
+                        record.update(await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens))
                 metrics.write(record)
                 bar.update(task, advance=1, reward=record["reward/mean"],
                            rate=record["samples/trained"] / record["time/step_s"])
@@ -70,28 +84,35 @@ async def train(cfg: RunConfig) -> dict:
                 if cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes:
                     console.print(f"stopping: train.max_minutes={cfg.train.max_minutes} reached at step {step}")
                     break
+        producing.cancel()
+        await producer.stop()
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
-            last_eval = await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)
-            metrics.write({"step": step, "version": step, **last_eval})
+            record = {"step": step, "version": step,
+                      **await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)}
+            metrics.write(record)
         await rt.trainers.save(str(run_dir / "checkpoints" / "final"))
-        summary.update(eval_after=last_eval["eval/accuracy"], steps=step, train_seconds=time.perf_counter() - t_start)
+        summary.update(eval_after=record["eval/accuracy"], steps=step, train_seconds=time.perf_counter() - t_start)
         console.print(f"held-out accuracy: {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} "
                       f"after {step} steps ({summary['train_seconds']:.0f}s); run dir {run_dir}")
     finally:
+        if producing is not None:
+            producing.cancel()
+            await producer.stop()
+        timeline.save(run_dir / "timeline.json")
         metrics.close()
         await rt.close()
     return summary
 
 
-async def _step(step, cfg: RunConfig, rt: Runtime, tok, spec, sampler, eval_rows, last_eval):
-    t0 = time.perf_counter()
-    groups, sampled = await _collect_groups(step, cfg, rt, tok, spec, sampler)
-    t_gen = time.perf_counter() - t0
+async def _step(step: int, cfg: RunConfig, rt: Runtime, tok, producer: RolloutProducer,
+                window: StalenessWindow, clock: "_Clock", timeline: Timeline) -> dict:
+    with timeline.span("controller: wait for batch", f"batch {step}"):
+        groups, sampled, dropped = await _take_batch(step, cfg, producer, window)
     samples = [s for g in groups for s in g]
     record: dict = {"step": step, "version": step, "samples/trained": len(samples),
-                    "samples/dropped_stale": 0, "samples/filtered_groups": len(sampled) - len(groups)}
+                    "samples/dropped_stale": dropped, "samples/filtered_groups": len(sampled) - len(groups)}
     record.update(_reward_metrics(sampled))
-    t1 = time.perf_counter()
+    t_train = time.perf_counter()
     if samples:
         batch = collate(samples, tok.pad_token_id)
         proximal, _ = await rt.trainers.compute_logprobs(batch)
@@ -100,44 +121,88 @@ async def _step(step, cfg: RunConfig, rt: Runtime, tok, spec, sampler, eval_rows
             batch.ref_logprobs, _ = await rt.reference.compute_logprobs(batch)
         record.update(train_inference_gap(batch.behavior_logprobs, proximal, batch.loss_mask))
         record.update(await rt.trainers.train_step(batch, "policy", cfg.algo.loss))
-        versions = torch.tensor([s.min_version for s in samples], dtype=torch.float32)
-        staleness = (step - 1) - versions
-        record.update({"staleness/mean": float(staleness.mean()), "staleness/max": float(staleness.max())})
-    else:  # nothing informative this step: no update, but the version still advances with the sync
+        record.update(_staleness_metrics(step, samples))
+    else:  # nothing informative arrived: no update, but the version still advances with the sync
         record.update({"staleness/mean": 0.0, "staleness/max": 0.0, "mismatch/kl": 0.0,
                        "mismatch/abs_logprob_diff": 0.0})
-    t_train = time.perf_counter() - t1
-    record.update(await rt.sync.push(step))
-    if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-        last_eval = await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)
-        record.update(last_eval)
-    total = time.perf_counter() - t0
-    record.update({"time/step_s": total, "time/generate_s": t_gen, "time/train_s": t_train,
-                   "time/generate_busy_frac": t_gen / total, "time/train_busy_frac": t_train / total})
-    return record, last_eval
+    clock.train_s += time.perf_counter() - t_train
+    timeline.add("trainer: train", f"train {step}", t_train, time.perf_counter())
+    with timeline.span("weight sync", f"sync v{step}"):
+        record.update(await _update_weights(step, cfg, rt, producer, window))
+    record.update(clock.lap())
+    return record
 
 
-async def _collect_groups(step, cfg: RunConfig, rt: Runtime, tok, spec, sampler):
-    """`prompts_per_step` groups of n samples with advantages (and every group sampled, for reward
-    metrics); with dynamic sampling, groups whose rewards are all equal are dropped and redrawn."""
-    want, groups, sampled = cfg.rollout.prompts_per_step, [], []
-    params = cfg.sampling.sampling_params()
-    for _ in range(cfg.rollout.max_sampling_rounds):
-        rows = sampler.take(want - len(groups))
-        base = step * 1_000_000 + len(sampled)
-        got = await asyncio.gather(*[sample_group(rt.router, tok, r, spec, params, cfg.sampling.n, base + i)
-                                     for i, r in enumerate(rows)])
-        sampled += got
-        groups += [g for g in got if not (cfg.rollout.dynamic_sampling and len({s.reward for s in g}) == 1)]
-        if len(groups) >= want or not cfg.rollout.dynamic_sampling:
-            break
+async def _take_batch(step, cfg: RunConfig, producer: RolloutProducer, window: StalenessWindow):
+    """B groups in the window with a learning signal; stale ones are evicted, uninformative ones
+    (all rewards equal, with dynamic sampling) discarded and replaced, up to a per-step cap."""
+    want = cfg.rollout.prompts_per_step
+    cap = cfg.rollout.max_sampling_rounds * want
+    groups, sampled, dropped = [], [], 0
+    while len(groups) < want and len(sampled) < cap:
+        group = await producer.buffer.get()
+        if window.is_stale(min(s.min_version for s in group), step):
+            window.evict()
+            dropped += len(group)
+        elif cfg.rollout.dynamic_sampling and len({s.reward for s in group}) == 1:
+            window.discard()
+            sampled.append(group)
+        else:
+            groups.append(group)
+            sampled.append(group)
+        producer.poke()
+    window.consume(len(groups))
     if groups:
-        rewards = torch.tensor([[s.reward for s in g] for g in groups])
-        advantages = adv.compute(cfg.algo.advantage, rewards)
+        advantages = adv.compute(cfg.algo.advantage, torch.tensor([[s.reward for s in g] for g in groups]))
         for g, a in zip(groups, advantages):
             for s, value in zip(g, a.tolist()):
                 s.advantage = value
-    return groups, sampled
+    return groups, sampled, dropped
+
+
+async def _update_weights(step, cfg: RunConfig, rt: Runtime, producer: RolloutProducer,
+                          window: StalenessWindow) -> dict:
+    """Engines hold in-flight requests (pause mode), take version `step`, continue; then the window
+    advances and in-flight groups that can no longer be trained in time are cancelled."""
+    mode = cfg.rollout.pause_mode
+    clients = rt.router.clients
+    if mode != "none":
+        await asyncio.gather(*[c.pause(mode) for c in clients])
+    try:
+        out = await rt.sync.push(step)
+    finally:
+        if mode != "none":
+            await asyncio.gather(*[c.resume() for c in clients])
+    window.advance()
+    cancelled = await producer.cancel_too_old()
+    producer.poke()
+    out["samples/cancelled_groups"] = cancelled
+    return out
+
+
+class _Clock:
+    """Per-step wall time and the busy fractions of generation and training within it."""
+
+    def __init__(self, producer: RolloutProducer):
+        self.producer, self.train_s = producer, 0.0
+        self._t, self._gen = time.perf_counter(), producer.busy.now()
+
+    def lap(self) -> dict[str, float]:
+        now, gen = time.perf_counter(), self.producer.busy.now()
+        total = max(now - self._t, 1e-9)
+        out = {"time/step_s": total, "time/generate_s": gen - self._gen, "time/train_s": self.train_s,
+               "time/generate_busy_frac": min(1.0, (gen - self._gen) / total),
+               "time/train_busy_frac": min(1.0, self.train_s / total)}
+        self._t, self._gen, self.train_s = now, gen, 0.0
+        return out
+
+
+def _staleness_metrics(step: int, samples: list[Sample]) -> dict[str, float]:
+    staleness = [(step - 1) - s.min_version for s in samples]
+    out = {"staleness/mean": sum(staleness) / len(staleness), "staleness/max": float(max(staleness))}
+    for value, count in sorted(Counter(staleness).items()):
+        out[f"staleness/hist/{value}"] = count
+    return out
 
 
 def _reward_metrics(groups: list[list[Sample]]) -> dict[str, float]:

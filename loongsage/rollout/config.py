@@ -30,5 +30,9 @@ class RolloutConfig(BaseModel):
     engine_threads: int = Field(1, ge=1)
     prompts_per_step: int = Field(32, ge=1)
     dynamic_sampling: bool = Field(True, description="drop groups whose rewards are all equal; sample more")
-    max_sampling_rounds: int = Field(4, ge=1)
+    max_sampling_rounds: int = Field(4, ge=1, description="at most this many batches' worth of groups drawn per step")
+    max_staleness: int = Field(0, ge=0, description="k: train a group at step t only if t-1 - min_version <= k; 0 = sync")
+    max_inflight_groups: int | None = Field(None, ge=1, description="default: (k + 1) * prompts_per_step")
+    pause_mode: str = Field("in_place", pattern="^(in_place|retract|abort|none)$",
+                            description="how engines hold in-flight requests during a weight update")
     weight_bucket_mb: float = Field(64.0, gt=0)

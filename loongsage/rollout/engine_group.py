@@ -3,6 +3,8 @@ on a free port of its node, waits for `/health`, and owns the process's lifetime
 from __future__ import annotations
 
 import ray
+
+from loongsage.cluster.actors import stop_actors
 from loongsage.engine.config import EngineConfig
 from loongsage.rollout.config import RolloutConfig
 
@@ -34,9 +36,4 @@ class EngineGroup:
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            try:
-                ray.get(a.stop.remote(), timeout=30)
-            except Exception:
-                pass
-            ray.kill(a)
+        stop_actors(self.actors, "stop")

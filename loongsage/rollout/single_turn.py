@@ -9,9 +9,10 @@ from loongsage.tasks.prepare import prompt_ids
 
 
 async def sample_group(router: Router, tokenizer, row: TaskRow, spec: TaskSpec, sampling_params: dict,
-                       n: int, group: int) -> list[Sample]:
+                       n: int, group: int, rid: str | None = None) -> list[Sample]:
     ids = prompt_ids(tokenizer, row)
-    outs = await router.generate(ids, {**sampling_params, "n": n}, session=f"group-{group}", return_logprob=True)
+    outs = await router.generate(ids, {**sampling_params, "n": n}, session=f"group-{group}", return_logprob=True,
+                                 rid=rid)
     samples = []
     for o in outs:
         versions = o.output_versions or [int(o.weight_version or 0)] * len(o.output_ids)

@@ -7,6 +7,7 @@ import ray
 import torch
 
 from loongsage.algo.losses import LossConfig
+from loongsage.cluster.actors import stop_actors
 from loongsage.rollout.launcher import free_port
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
@@ -61,9 +62,4 @@ class TrainerGroup:
         return await self.rank0.version.remote()
 
     def shutdown(self) -> None:
-        for r in self.ranks:
-            try:
-                ray.get(r.shutdown.remote(), timeout=10)
-            except Exception:
-                pass
-            ray.kill(r)
+        stop_actors(self.ranks, "shutdown", timeout_s=10.0)

@@ -1,0 +1,68 @@
+"""Sync (k = 0) vs async (k = 1, 2) on the same recipe and the same number of trained samples,
+side by side in one run. Engine and trainer get one torch thread each (one core each here).
+
+    python benchmarks/async_vs_sync.py [--steps 150] [recipe overrides ...]
+
+Prints a table, then one JSON object as the last line:
+{"sync": {...}, "async_k1": {...}, "async_k2": {...}, "ratio": async_k1 samples/s over sync}
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+
+from loongsage.config import load_config
+from loongsage.controller.train import train
+from loongsage.metrics import read_metrics
+
+MODES = {"sync": 0, "async_k1": 1, "async_k2": 2}
+
+
+def measure(run_dir: str) -> dict:
+    recs = [r for r in read_metrics(run_dir) if r["step"] > 0 and "time/step_s" in r]
+    wall = sum(r["time/step_s"] for r in recs)
+    trained = sum(r["samples/trained"] for r in recs)
+    evals = [r["eval/accuracy"] for r in read_metrics(run_dir) if "eval/accuracy" in r]
+    steady = recs[len(recs) // 5:]  # skip the warm-up steps
+    return {
+        "samples_per_s": round(trained / wall, 2),
+        "trained_samples": trained,
+        "train_busy_frac": round(sum(r["time/train_busy_frac"] for r in steady) / len(steady), 3),
+        "generate_busy_frac": round(sum(r["time/generate_busy_frac"] for r in steady) / len(steady), 3),
+        "max_staleness": max(r["staleness/max"] for r in recs),
+        "dropped_stale": sum(r["samples/dropped_stale"] for r in recs),
+        "step_s": round(wall / len(recs), 3),
+        "initial_accuracy": evals[0],
+        "final_accuracy": evals[-1],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="recipes/arith_grpo.yaml")
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    out = {}
+    for name, k in MODES.items():
+        run_dir = tempfile.mkdtemp(prefix=f"bench-{name}-")
+        cfg = load_config(args.recipe, [
+            f"run_dir={run_dir}", f"rollout.max_staleness={k}", f"train.steps={args.steps}",
+            f"train.eval_every={args.steps}", "train.max_minutes=null", "trainer.threads=1",
+            "rollout.engine_threads=1", "rollout.dynamic_sampling=false", *args.overrides])
+        asyncio.run(train(cfg))
+        out[name] = measure(run_dir)
+        print(f"{name}: {json.dumps(out[name])}", flush=True)
+    print(f"{'mode':10s} {'samples/s':>10s} {'train busy':>11s} {'gen busy':>9s} {'max stale':>10s} {'final acc':>10s}")
+    for name, m in out.items():
+        print(f"{name:10s} {m['samples_per_s']:10.1f} {m['train_busy_frac']:11.2f} {m['generate_busy_frac']:9.2f} "
+              f"{m['max_staleness']:10.0f} {m['final_accuracy']:10.3f}")
+    out["ratio"] = round(out["async_k1"]["samples_per_s"] / out["sync"]["samples_per_s"], 3)
+    print(f"async k=1 / sync throughput: {out['ratio']:.2f}x")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
