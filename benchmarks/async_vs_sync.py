@@ -1,5 +1,6 @@
 """Sync (k = 0) vs async (k = 1, 2) on the same recipe and the same number of trained samples,
-side by side in one run. Engine and trainer get one torch thread each (one core each here).
+side by side in one run. Engine and trainer get one torch thread each and are pinned to cores 0
+and 1 (`--no-pin` to let the OS schedule them).
 
     python benchmarks/async_vs_sync.py [--steps 150] [recipe overrides ...]
 
@@ -43,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="recipes/arith_grpo.yaml")
     ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin trainer and engine to their own cores")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     out = {}
@@ -51,7 +53,8 @@ def main() -> None:
         cfg = load_config(args.recipe, [
             f"run_dir={run_dir}", f"rollout.max_staleness={k}", f"train.steps={args.steps}",
             f"train.eval_every={args.steps}", "train.max_minutes=null", "trainer.threads=1",
-            "rollout.engine_threads=1", "rollout.dynamic_sampling=false", *args.overrides])
+            "rollout.engine_threads=1", "rollout.dynamic_sampling=false",
+            *([] if args.no_pin else ["trainer.cpu_affinity=[0]", "engine.cpu_affinity=[1]"]), *args.overrides])
         asyncio.run(train(cfg))
         out[name] = measure(run_dir)
         print(f"{name}: {json.dumps(out[name])}", flush=True)

@@ -11,7 +11,8 @@ def _engine(ns: argparse.Namespace) -> None:
 
     cfg = EngineConfig(dtype=ns.dtype, device=ns.device, max_running=ns.max_running,
                        context_length=ns.context_length, max_prefill_tokens=ns.max_prefill_tokens,
-                       threads=ns.threads, prefix_cache=not ns.no_prefix_cache, weight_version=ns.weight_version)
+                       threads=ns.threads, prefix_cache=not ns.no_prefix_cache, weight_version=ns.weight_version,
+                       cpu_affinity=[int(c) for c in ns.cpu_affinity.split(",")] if ns.cpu_affinity else None)
     serve(ns.model, ns.host, ns.port, cfg, log_level=ns.log_level)
 
 
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=int, default=None, help="torch threads")
     e.add_argument("--weight-version", default="0")
     e.add_argument("--no-prefix-cache", action="store_true")
+    e.add_argument("--cpu-affinity", default=None, help="comma-separated CPU cores to pin the engine to (Linux)")
     e.add_argument("--log-level", default="warning")
     e.set_defaults(fn=_engine)
 

@@ -151,8 +151,8 @@ def test_pause_then_continue_loses_and_duplicates_no_token(engine, mode):
     assert stalled["delta"] == 0  # no decode step ran while paused
     assert final["output_ids"] == reference.output_ids
     assert len(final["output_ids"]) == 150 and final["meta_info"]["finish_reason"]["type"] == "length"
-    lp = [t[0] for t in final["meta_info"]["output_token_logprobs"]] if "output_token_logprobs" in final["meta_info"] else None
-    assert lp is None or len(lp) == 150
+    assert len(final["meta_info"]["output_token_logprobs"]) == 150
+    assert final["meta_info"]["output_token_weight_versions"] == [0] * 150
 
 
 async def _stream_until(client, ids, sp, after_chunks, action, **kw):

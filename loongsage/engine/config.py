@@ -16,6 +16,7 @@ class EngineConfig(BaseModel):
     threads: int | None = Field(None, ge=1, description="torch threads in the engine process")
     prefix_cache: bool = True
     weight_version: str = "0"
+    cpu_affinity: list[int] | None = Field(None, description="pin the engine process to these CPU cores (Linux)")
 
     def cli_args(self) -> list[str]:
         """The `loongsage engine` flags that reproduce this config in a child process."""
@@ -25,4 +26,6 @@ class EngineConfig(BaseModel):
             args += ["--context-length", str(self.context_length)]
         if not self.prefix_cache:
             args.append("--no-prefix-cache")
+        if self.cpu_affinity:
+            args += ["--cpu-affinity", ",".join(map(str, self.cpu_affinity))]
         return args

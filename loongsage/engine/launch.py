@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import uvicorn
@@ -12,6 +13,8 @@ from loongsage.engine.server import create_app
 
 
 def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = "warning") -> None:
+    if cfg.cpu_affinity and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cfg.cpu_affinity)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

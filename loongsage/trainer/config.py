@@ -21,4 +21,5 @@ class TrainerConfig(BaseModel):
     bf16: bool = False
     threads: int = Field(1, ge=1, description="torch threads per rank")
     device: str = "cpu"
+    cpu_affinity: list[int] | None = Field(None, description="pin each rank to these CPU cores (Linux)")
     seed: int = 0

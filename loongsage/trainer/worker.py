@@ -20,6 +20,8 @@ class TrainerRank:
     def __init__(self, cfg: dict, model_path: str, rank: int, world: int, master_addr: str, master_port: int):
         self.cfg = TrainerConfig.model_validate(cfg)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if self.cfg.cpu_affinity and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, self.cfg.cpu_affinity)
         torch.set_num_threads(self.cfg.threads)
         backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
         if backend == "nccl":
