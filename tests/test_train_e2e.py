@@ -73,4 +73,5 @@ def test_async_run_keeps_every_sample_inside_the_window(ray_session, tmp_path, s
     assert max(r["staleness/max"] for r in steps) >= 1  # generation really ran ahead
     assert min(r["mismatch/abs_logprob_diff"] for r in steps) > 1e-4  # bf16 engine vs fp32 trainer
     assert all("is/clip_frac" in r and r["is/weight_mean"] > 0 for r in steps)
+    assert all(r["samples/cancelled"] >= 0 and r["samples/dropped_stale"] >= 0 for r in steps)
     assert all(sum(v for k, v in r.items() if k.startswith("staleness/hist/")) == r["samples/trained"] for r in steps)

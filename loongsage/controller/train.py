@@ -176,7 +176,7 @@ async def _update_weights(step, cfg: RunConfig, rt: Runtime, producer: RolloutPr
     window.advance()
     cancelled = await producer.cancel_too_old()
     producer.poke()
-    out["samples/cancelled_groups"] = cancelled
+    out["samples/cancelled"] = cancelled * cfg.sampling.n
     return out
 
 

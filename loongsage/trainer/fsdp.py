@@ -90,8 +90,7 @@ class FSDPBackend:
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         for mb in batch.micro_batches(self.cfg.micro_batch_size):
-            need_entropy = loss == "policy"
-            lp, ent = self._forward(mb, need_entropy and bool(loss_cfg and loss_cfg.entropy_coef > 0))
+            lp, ent = self._forward(mb, loss == "policy" and loss_cfg is not None and loss_cfg.entropy_coef > 0)
             mask = mb.loss_mask.to(self.device)
             if loss == "sft":
                 value, metrics = sft_loss(lp, mask, denominator)
