@@ -85,7 +85,8 @@ async def train(cfg: RunConfig) -> dict:
                     console.print(f"stopping: train.max_minutes={cfg.train.max_minutes} reached at step {step}")
                     break
         producing.cancel()
-        await producer.stop()
+        await producer.stop()  # the engines are free for the final evaluation
+        producing = None
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
             record = {"step": step, "version": step,
                       **await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)}
@@ -144,7 +145,7 @@ async def _take_batch(step, cfg: RunConfig, producer: RolloutProducer, window: S
         if window.is_stale(min(s.min_version for s in group), step):
             window.evict()
             dropped += len(group)
-        elif cfg.rollout.dynamic_sampling and len({s.reward for s in group}) == 1:
+        elif cfg.rollout.dynamic_sampling and not adv.keep_informative_groups(torch.tensor([[s.reward for s in group]]))[0]:
             window.discard()
             sampled.append(group)
         else:

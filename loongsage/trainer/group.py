@@ -46,7 +46,6 @@ class TrainerGroup:
         for key in per_rank[0]:
             vals = [m[key] for m in per_rank if key in m]
             out[key] = sum(vals) if key in ADDITIVE or key == "train/tokens" else sum(vals) / len(vals)
-        out["train/grad_norm"] = per_rank[0]["train/grad_norm"]
         return out
 
     def weight_meta(self) -> list[tuple[str, str, list[int]]]:

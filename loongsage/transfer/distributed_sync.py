@@ -41,6 +41,7 @@ class DistributedWeightSync:
         self.meta = trainers.weight_meta()
         elem = 2 if engine_dtype in ("bfloat16", "float16") else 4
         self.buckets = plan_buckets(self.meta, int(bucket_mb * 2**20), elem)
+        self.bucket_names = [[self.meta[i][0] for i in b] for b in self.buckets]
 
     async def setup(self) -> None:
         port = free_port()
@@ -53,13 +54,12 @@ class DistributedWeightSync:
 
     async def push(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        names = [[self.meta[i][0] for i in b] for b in self.buckets]
-        sending = asyncio.ensure_future(asyncio.gather(*[r.broadcast_weights.remote(names, self.dtype)
+        sending = asyncio.ensure_future(asyncio.gather(*[r.broadcast_weights.remote(self.bucket_names, self.dtype)
                                                          for r in self.trainers.ranks]))
         for k, bucket in enumerate(self.buckets):
             last = k == len(self.buckets) - 1
             await asyncio.gather(*[c.update_weights_from_distributed(
-                names=[self.meta[i][0] for i in bucket], dtypes=[self.dtype] * len(bucket),
+                names=self.bucket_names[k], dtypes=[self.dtype] * len(bucket),
                 shapes=[self.meta[i][2] for i in bucket], weight_version=version if last else None,
                 group_name=self.group_name, flattened=True) for c in self.clients])
         sent = (await sending)[0]
