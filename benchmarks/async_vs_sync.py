@@ -1,6 +1,8 @@
 """Sync (k = 0) vs async (k = 1, 2) on the same recipe and the same number of trained samples,
-side by side in one run. Engine and trainer get one torch thread each and are pinned to cores 0
-and 1 (`--no-pin` to let the OS schedule them).
+side by side in one run. Engine and trainer get one torch thread each; the trainer is pinned to
+core 0, the engine and this process (the controller: HTTP to the engine, batching) to core 1
+(`--no-pin` lets the OS schedule them). The workload is one where generation and training take
+similar time: each mode reports its per-step `generate_s` and `train_s`.
 
     python benchmarks/async_vs_sync.py [--steps 150] [recipe overrides ...]
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 
 from loongsage.config import load_config
@@ -23,7 +26,7 @@ MODES = {"sync": 0, "async_k1": 1, "async_k2": 2}
 
 def measure(run_dir: str) -> dict:
     recs = [r for r in read_metrics(run_dir) if r["step"] > 0 and "time/step_s" in r]
-    wall = sum(r["time/step_s"] for r in recs)
+    wall = sum(r["time/step_s"] - r.get("time/eval_s", 0.0) for r in recs)  # training, not evaluation
     trained = sum(r["samples/trained"] for r in recs)
     evals = [r["eval/accuracy"] for r in read_metrics(run_dir) if "eval/accuracy" in r]
     steady = recs[len(recs) // 5:]  # skip the warm-up steps
@@ -35,6 +38,8 @@ def measure(run_dir: str) -> dict:
         "max_staleness": max(r["staleness/max"] for r in recs),
         "dropped_stale": sum(r["samples/dropped_stale"] for r in recs),
         "step_s": round(wall / len(recs), 3),
+        "generate_s": round(sum(r["time/generate_s"] for r in steady) / len(steady), 3),
+        "train_s": round(sum(r["time/train_s"] for r in steady) / len(steady), 3),
         "initial_accuracy": evals[0],
         "final_accuracy": evals[-1],
     }
@@ -47,6 +52,8 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="do not pin trainer and engine to their own cores")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if not args.no_pin:  # before Ray starts: its processes inherit this, the trainer re-pins to core 0
+        os.sched_setaffinity(0, {1})
     out = {}
     for name, k in MODES.items():
         run_dir = tempfile.mkdtemp(prefix=f"bench-{name}-")

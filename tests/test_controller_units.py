@@ -30,6 +30,22 @@ def test_collate_aligns_response_tokens_to_next_token_columns():
         Sample([1], [2, 3], [1], [0.0, 0.0], [0, 0])
 
 
+def test_micro_batches_sort_rows_by_length_and_trim_each_to_its_longest_row():
+    lengths = [9, 3, 7, 2, 5]  # prompt 1 + response (length - 1)
+    samples = [Sample([1], list(range(10, 9 + n)), [1] * (n - 1), [-0.1 * n] * (n - 1), [0] * (n - 1), advantage=n)
+               for n in lengths]
+    b = collate(samples, pad_id=0)
+    mbs = b.micro_batches(2)
+    assert [idx for idx, _ in mbs] == [[3, 1], [4, 2], [0]]  # shortest first
+    assert [mb.input_ids.shape[1] for _, mb in mbs] == [3, 7, 9]
+    assert [mb.loss_mask.shape[1] for _, mb in mbs] == [2, 6, 8]
+    for idx, mb in mbs:  # nothing but padding was cut: the trimmed rows hold every token of their samples
+        for row, i in enumerate(idx):
+            assert mb.input_ids[row].tolist()[: lengths[i]] == [1] + samples[i].response_ids
+            assert mb.loss_mask[row].sum() == lengths[i] - 1 == b.loss_mask[i].sum()
+            assert mb.advantages[row, : lengths[i] - 1].tolist() == [float(lengths[i])] * (lengths[i] - 1)
+
+
 def test_router_least_outstanding_and_sticky_sessions():
     r = Router(["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"])
     r.outstanding = [3, 1, 2]

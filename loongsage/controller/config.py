@@ -11,6 +11,7 @@ class TrainLoopConfig(BaseModel):
     eval_every: int = Field(20, ge=1)
     eval_size: int | None = Field(None, ge=1, description="held-out rows per evaluation (default: all)")
     save_every: int | None = Field(None, ge=1)
+    target_accuracy: float | None = Field(None, gt=0, le=1, description="stop once held-out accuracy reaches this")
 
 
 class SFTConfig(BaseModel):

@@ -4,10 +4,13 @@
       admits a prompt while the window has room               takes B informative, in-window groups
       ─► router ─► engines (Ray actors, HTTP): n samples      ─► advantages ─► TrainBatch
          + behaviour logprobs + per-token versions            ─► trainer ranks (Ray, FSDP2):
-      ─► verifier rewards ─► buffer (asyncio.Queue)              proximal logprobs, train_step ─► v+1
-                                                              ─► engines pause (in_place/retract),
-                                                                 weights broadcast, version confirmed,
-                                                                 continue; too-old in-flight cancelled
+      ─► verifier rewards ─► buffer (asyncio.Queue)              train_step (proximal = its own forward) ─► v+1
+                                                              ─► weight update task (overlaps the next
+                                                                 train step: ranks snapshot v+1, send it
+                                                                 from a thread); engines held in place
+                                                                 (or retracted), version confirmed, then
+                                                                 the window advances; too-old in-flight
+                                                                 groups cancelled
 
 Back-pressure is the staleness window (loongsage/buffer.py): at most (k + 1 + v) * B groups are ever
 admitted by version v, so generation runs at most k versions ahead of training. With k = 0 nothing is
@@ -26,7 +29,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 from transformers import AutoTokenizer
 
 from loongsage.algo import advantages as adv
-from loongsage.algo.mismatch import train_inference_gap
 from loongsage.buffer import StalenessWindow
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy
@@ -47,6 +49,7 @@ async def train(cfg: RunConfig) -> dict:
     run_dir = cfg.resolve_run_dir()
     dump_config(cfg, run_dir / "config.yaml")
     base = await ensure_base_policy(cfg, console)
+    t_start = time.perf_counter()  # wall clock from here includes start-up (Ray, engines), not the bootstrap
     train_rows, eval_rows = prepare_data(cfg.task)
     eval_rows = eval_rows[: cfg.train.eval_size or len(eval_rows)]
     spec, tok = get_task(cfg.task.name), AutoTokenizer.from_pretrained(base)
@@ -59,30 +62,43 @@ async def train(cfg: RunConfig) -> dict:
     timeline = Timeline()
     producer = RolloutProducer(rt, tok, spec, PromptSampler(train_rows, cfg.seed), window,
                                cfg.sampling.sampling_params(), cfg.sampling.n, timeline)
-    t_start = time.perf_counter()
     summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
-    producing = None
+    producing = pending = None
     try:
+        t_eval = time.perf_counter()
         first = await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)
-        metrics.write({"step": 0, "version": 0, **first})
+        metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
+                       "time/elapsed_s": time.perf_counter() - t_start})
         summary["eval_before"] = first["eval/accuracy"]
         console.print(f"held-out accuracy before training: {first['eval/accuracy']:.3f}")
         producing = asyncio.create_task(producer.run())
-        clock = _Clock(producer)
+        clock = _Clock(producer, t_start)
+        # `pending`: (record, weight-update task) of the step whose weights are in flight
         with _progress(console) as bar:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0)
             for step in range(1, cfg.train.steps + 1):
-                record = await _step(step, cfg, rt, tok, producer, window, clock, timeline)
-                if step % cfg.train.eval_every == 0 or step == cfg.train.steps:
-                    with timeline.span("eval", f"eval {step}"):
-                        record.update(await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens))
-                metrics.write(record)
-                bar.update(task, advance=1, reward=record["reward/mean"],
-                           rate=record["samples/trained"] / record["time/step_s"])
-                if cfg.train.save_every and step % cfg.train.save_every == 0:
-                    await rt.trainers.save(str(run_dir / "checkpoints" / f"step_{step}"))
-                if cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes:
+                record = await _train(step, cfg, rt, tok, producer, window, timeline)  # overlaps `pending`
+                if pending is not None:
+                    _finish(await _delivered(pending), clock, metrics, bar, task)
+                pending = (record, _start_weight_update(step, cfg, rt, producer, window, timeline))
+                evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.steps
+                out_of_time = cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
+                if evaluate_now or out_of_time or (cfg.train.save_every and step % cfg.train.save_every == 0):
+                    record, pending = await _delivered(pending), None  # the engines serve version `step`
+                    if evaluate_now:
+                        t_eval = time.perf_counter()
+                        with timeline.span("eval", f"eval {step}"):
+                            record.update(await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens))
+                        record["time/eval_s"] = time.perf_counter() - t_eval
+                    _finish(record, clock, metrics, bar, task)
+                    if cfg.train.save_every and step % cfg.train.save_every == 0:
+                        await rt.trainers.save(str(run_dir / "checkpoints" / f"step_{step}"))
+                if out_of_time:
                     console.print(f"stopping: train.max_minutes={cfg.train.max_minutes} reached at step {step}")
+                    break
+                if cfg.train.target_accuracy and record.get("eval/accuracy", 0.0) >= cfg.train.target_accuracy:
+                    console.print(f"stopping: held-out accuracy {record['eval/accuracy']:.3f} reached "
+                                  f"train.target_accuracy={cfg.train.target_accuracy} at step {step}")
                     break
         producing.cancel()
         await producer.stop()  # the engines are free for the final evaluation
@@ -96,6 +112,8 @@ async def train(cfg: RunConfig) -> dict:
         console.print(f"held-out accuracy: {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} "
                       f"after {step} steps ({summary['train_seconds']:.0f}s); run dir {run_dir}")
     finally:
+        if pending is not None:
+            pending[1].cancel()
         if producing is not None:
             producing.cancel()
             await producer.stop()
@@ -105,8 +123,8 @@ async def train(cfg: RunConfig) -> dict:
     return summary
 
 
-async def _step(step: int, cfg: RunConfig, rt: Runtime, tok, producer: RolloutProducer,
-                window: StalenessWindow, clock: "_Clock", timeline: Timeline) -> dict:
+async def _train(step: int, cfg: RunConfig, rt: Runtime, tok, producer: RolloutProducer,
+                 window: StalenessWindow, timeline: Timeline) -> dict:
     with timeline.span("controller: wait for batch", f"batch {step}"):
         groups, sampled, dropped = await _take_batch(step, cfg, producer, window)
     samples = [s for g in groups for s in g]
@@ -116,22 +134,24 @@ async def _step(step: int, cfg: RunConfig, rt: Runtime, tok, producer: RolloutPr
     t_train = time.perf_counter()
     if samples:
         batch = collate(samples, tok.pad_token_id)
-        proximal, _ = await rt.trainers.compute_logprobs(batch)
-        batch.proximal_logprobs = proximal
+        if cfg.algo.recompute_proximal:  # otherwise the update's own forward gives them (and the gap)
+            batch.proximal_logprobs, _ = await rt.trainers.compute_logprobs(batch)
         if rt.reference is not None:
             batch.ref_logprobs, _ = await rt.reference.compute_logprobs(batch)
-        record.update(train_inference_gap(batch.behavior_logprobs, proximal, batch.loss_mask))
         record.update(await rt.trainers.train_step(batch, "policy", cfg.algo.loss))
         record.update(_staleness_metrics(step, samples))
     else:  # nothing informative arrived: no update, but the version still advances with the sync
         record.update({"staleness/mean": 0.0, "staleness/max": 0.0, "mismatch/kl": 0.0,
                        "mismatch/abs_logprob_diff": 0.0})
-    clock.train_s += time.perf_counter() - t_train
+    record["time/train_s"] = time.perf_counter() - t_train
     timeline.add("trainer: train", f"train {step}", t_train, time.perf_counter())
-    with timeline.span("weight sync", f"sync v{step}"):
-        record.update(await _update_weights(step, cfg, rt, producer, window))
-    record.update(clock.lap())
     return record
+
+
+def _finish(record: dict, clock: "_Clock", metrics: MetricsWriter, bar: Progress, task) -> None:
+    record.update(clock.lap(record["time/train_s"]))
+    metrics.write(record)
+    bar.update(task, advance=1, reward=record["reward/mean"], rate=record["samples/trained"] / record["time/step_s"])
 
 
 async def _take_batch(step, cfg: RunConfig, producer: RolloutProducer, window: StalenessWindow):
@@ -161,40 +181,59 @@ async def _take_batch(step, cfg: RunConfig, producer: RolloutProducer, window: S
     return groups, sampled, dropped
 
 
-async def _update_weights(step, cfg: RunConfig, rt: Runtime, producer: RolloutProducer,
-                          window: StalenessWindow) -> dict:
-    """Engines hold in-flight requests (pause mode), take version `step`, continue; then the window
-    advances and in-flight groups that can no longer be trained in time are cancelled."""
-    mode = cfg.rollout.pause_mode
-    clients = rt.router.clients
-    if mode != "none":
-        await asyncio.gather(*[c.pause(mode) for c in clients])
-    try:
-        out = await rt.sync.push(step)
-    finally:
-        if mode != "none":
-            await asyncio.gather(*[c.resume() for c in clients])
-    window.advance()
-    cancelled = await producer.cancel_too_old()
-    producer.poke()
-    out["samples/cancelled"] = cancelled * cfg.sampling.n
-    return out
+def _start_weight_update(step, cfg: RunConfig, rt: Runtime, producer: RolloutProducer, window: StalenessWindow,
+                         timeline: Timeline) -> asyncio.Task:
+    """Version `step` to the engines: the trainer side is submitted now (ordered before the next
+    train step, which then overlaps the transfer); the returned task feeds the engines (held by
+    the pause mode), confirms the version, advances the window and cancels in-flight groups that can
+    no longer be trained in time."""
+    begun = rt.sync.begin(step)
+
+    async def deliver() -> dict:
+        mode = cfg.rollout.pause_mode
+        clients = rt.router.clients
+        if mode == "in_place" and len(rt.sync.buckets) == 1:
+            # One bucket is applied by the engine thread between two steps with every running request
+            # held where it is: an in-place pause by construction, without two extra round trips.
+            mode = "none"
+        with timeline.span("weight sync", f"sync v{step}"):
+            if mode != "none":
+                await asyncio.gather(*[c.pause(mode) for c in clients])
+            try:
+                out = await rt.sync.deliver(step, begun)
+            finally:
+                if mode != "none":
+                    await asyncio.gather(*[c.resume() for c in clients])
+        window.advance()
+        cancelled = await producer.cancel_too_old()
+        producer.poke()
+        out["samples/cancelled"] = cancelled * cfg.sampling.n
+        return out
+
+    return asyncio.create_task(deliver())
+
+
+async def _delivered(pending: tuple[dict, asyncio.Task]) -> dict:
+    record, update = pending
+    record.update(await update)
+    return record
 
 
 class _Clock:
-    """Per-step wall time and the busy fractions of generation and training within it."""
+    """Per-step wall time (between two finished steps) and the busy fractions of generation and
+    training within it."""
 
-    def __init__(self, producer: RolloutProducer):
-        self.producer, self.train_s = producer, 0.0
+    def __init__(self, producer: RolloutProducer, t_start: float):
+        self.producer, self.t_start = producer, t_start
         self._t, self._gen = time.perf_counter(), producer.busy.now()
 
-    def lap(self) -> dict[str, float]:
+    def lap(self, train_s: float) -> dict[str, float]:
         now, gen = time.perf_counter(), self.producer.busy.now()
         total = max(now - self._t, 1e-9)
-        out = {"time/step_s": total, "time/generate_s": gen - self._gen, "time/train_s": self.train_s,
+        out = {"time/step_s": total, "time/generate_s": gen - self._gen,
                "time/generate_busy_frac": min(1.0, (gen - self._gen) / total),
-               "time/train_busy_frac": min(1.0, self.train_s / total)}
-        self._t, self._gen, self.train_s = now, gen, 0.0
+               "time/train_busy_frac": min(1.0, train_s / total), "time/elapsed_s": now - self.t_start}
+        self._t, self._gen = now, gen
         return out
 
 

@@ -25,6 +25,7 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
     )
     core.start()
     try:
-        uvicorn.run(create_app(core), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        uvicorn.run(create_app(core), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                    timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)
     finally:
         core.shutdown()

@@ -22,10 +22,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
 from loongsage.algo.losses import LossConfig, PolicyInputs, policy_loss, sft_loss
+from loongsage.algo.mismatch import train_inference_gap
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 
-ADDITIVE = {"loss/policy", "loss/sft"}  # summed over micro-batches and ranks; the rest are averaged
+ADDITIVE = {"loss/policy", "loss/sft"}  # summed over micro-batches and ranks
+MAXIMAL = {"mismatch/max_abs_logprob_diff"}  # maximum over micro-batches and ranks; the rest are averaged
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
@@ -77,37 +79,43 @@ class FSDPBackend:
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
         self.model.eval()
-        lps, ents = [], []
-        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+        shape = batch.loss_mask.shape
+        lps, ents = torch.zeros(shape), (torch.zeros(shape) if with_entropy else None)
+        for idx, mb in batch.micro_batches(self.cfg.micro_batch_size):
             lp, ent = self._forward(mb, with_entropy)
-            lps.append(lp.cpu())
-            ents.append(ent.cpu() if ent is not None else None)
-        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+            lps[idx, : lp.shape[1]] = lp.float().cpu()
+            if with_entropy:
+                ents[idx, : ent.shape[1]] = ent.float().cpu()
+        return lps, ents
 
     # ---- training ---------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float) -> dict[str, float]:
         self.model.train()
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
-        for mb in batch.micro_batches(self.cfg.micro_batch_size):
+        for _, mb in batch.micro_batches(self.cfg.micro_batch_size):
             lp, ent = self._forward(mb, loss == "policy" and loss_cfg is not None and loss_cfg.entropy_coef > 0)
             mask = mb.loss_mask.to(self.device)
             if loss == "sft":
                 value, metrics = sft_loss(lp, mask, denominator)
             elif loss == "policy":
-                if mb.proximal_logprobs is None:
-                    raise ValueError("policy loss needs proximal_logprobs (compute_logprobs first)")
-                x = PolicyInputs(lp, mb.proximal_logprobs.to(self.device), mb.behavior_logprobs.to(self.device),
-                                 mb.advantages.to(self.device), mask, ent,
+                # No recomputed proximal logprobs: this forward runs the pre-update policy (one step per batch).
+                proximal = lp.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs.to(self.device)
+                behavior = mb.behavior_logprobs.to(self.device)
+                x = PolicyInputs(lp, proximal, behavior, mb.advantages.to(self.device), mask, ent,
                                  None if mb.ref_logprobs is None else mb.ref_logprobs.to(self.device))
                 value, metrics = policy_loss(x, loss_cfg, denominator)
+                metrics.update(train_inference_gap(behavior, proximal, mask))
             else:
                 raise ValueError(f"loss: expected 'policy' or 'sft', got {loss!r}")
             # FSDP averages gradients over ranks; the global denominator already normalises.
             (value * self.world).backward()
             w = float(mask.sum())
             for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + (v if k in ADDITIVE else v * w)
+                if k in MAXIMAL:
+                    sums[k] = max(sums.get(k, 0.0), v)
+                else:
+                    sums[k] = sums.get(k, 0.0) + (v if k in ADDITIVE else v * w)
                 weights[k] = weights.get(k, 0.0) + w
         grad_norm = 0.0
         if self.cfg.max_grad_norm > 0:
@@ -117,7 +125,7 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.version += 1
-        out = {k: (v if k in ADDITIVE else v / max(weights[k], 1e-9)) for k, v in sums.items()}
+        out = {k: (v if k in ADDITIVE | MAXIMAL else v / max(weights[k], 1e-9)) for k, v in sums.items()}
         out.update({"train/grad_norm": grad_norm, "train/lr": self.scheduler.get_last_lr()[0],
                     "train/tokens": float(batch.loss_mask.sum())})
         return out

@@ -11,7 +11,7 @@ from loongsage.cluster.actors import stop_actors
 from loongsage.rollout.launcher import free_port
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.fsdp import ADDITIVE
+from loongsage.trainer.fsdp import ADDITIVE, MAXIMAL
 from loongsage.trainer.worker import TrainerRank
 
 
@@ -45,7 +45,10 @@ class TrainerGroup:
         out = {}
         for key in per_rank[0]:
             vals = [m[key] for m in per_rank if key in m]
-            out[key] = sum(vals) if key in ADDITIVE or key == "train/tokens" else sum(vals) / len(vals)
+            if key in MAXIMAL:
+                out[key] = max(vals)
+            else:
+                out[key] = sum(vals) if key in ADDITIVE or key == "train/tokens" else sum(vals) / len(vals)
         return out
 
     def weight_meta(self) -> list[tuple[str, str, list[int]]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,8 @@ class TrainerRank:
         else:  # validated by the config schema
             raise ValueError(f"trainer.backend: unknown {self.cfg.backend!r}")
         self.weight_group = None
+        self._sender: threading.Thread | None = None
+        self._send_error: BaseException | None = None
 
     def ready(self) -> int:
         return self.backend.version
@@ -56,24 +59,42 @@ class TrainerRank:
         return True
 
     def destroy_weight_group(self) -> None:
+        self._join_sender()
         self.weight_group = None
 
     def broadcast_weights(self, buckets: list[list[str]], dtype: str | None) -> float:
-        """Gathers full weights (all ranks), then rank 0 broadcasts one flat tensor per bucket."""
+        """Gathers full weights (all ranks); rank 0 packs one flat tensor per bucket (a snapshot) and
+        broadcasts them from a background thread, so the next train step may start at once: the
+        weights of version v travel while v+1 trains. Receivers confirm the version themselves."""
+        self._join_sender()
         sd = self.backend.full_state_dict()
         if self.rank != 0:
             return 0.0
         if self.weight_group is None:
             raise RuntimeError("broadcast_weights before init_weight_group")
         cast = dtype_from_name(dtype) if dtype else None
-        total = 0
+        flats = []
         for names in buckets:
             flat = torch.cat([sd[n].reshape(-1) for n in names])
-            if cast is not None:
-                flat = flat.to(cast)
-            broadcast(self.weight_group, flat)
-            total += flat.numel() * flat.element_size()
-        return float(total)
+            flats.append(flat.to(cast) if cast is not None else flat)
+        self._sender = threading.Thread(target=self._send, args=(flats,), name="weight-sender", daemon=True)
+        self._sender.start()
+        return float(sum(f.numel() * f.element_size() for f in flats))
+
+    def _send(self, flats: list[torch.Tensor]) -> None:
+        try:
+            for flat in flats:
+                broadcast(self.weight_group, flat)
+        except BaseException as exc:  # reported by the next broadcast_weights
+            self._send_error = exc
+
+    def _join_sender(self) -> None:
+        if self._sender is not None:
+            self._sender.join()
+            self._sender = None
+        if self._send_error is not None:
+            exc, self._send_error = self._send_error, None
+            raise RuntimeError(f"the previous weight broadcast failed: {exc}") from exc
 
     def save(self, path: str) -> None:
         self.backend.save(path)

@@ -52,10 +52,15 @@ class DistributedWeightSync:
                                           world_size=world, backend=self.backend, group_name=self.group_name)
               for i, c in enumerate(self.clients)])
 
-    async def push(self, version: int) -> dict[str, float]:
-        t0 = time.perf_counter()
-        sending = asyncio.ensure_future(asyncio.gather(*[r.broadcast_weights.remote(self.bucket_names, self.dtype)
-                                                         for r in self.trainers.ranks]))
+    def begin(self, version: int) -> tuple[list, float]:
+        """Submits the trainer side now, so it is ordered before any later call to the trainer ranks
+        (they snapshot the weights, then send them while the next step trains)."""
+        return [r.broadcast_weights.remote(self.bucket_names, self.dtype) for r in self.trainers.ranks], time.perf_counter()
+
+    async def deliver(self, version: int, begun: tuple[list, float]) -> dict[str, float]:
+        """Feeds every engine bucket by bucket, then requires each to report `version`."""
+        refs, t0 = begun
+        sending = asyncio.ensure_future(asyncio.gather(*refs))
         for k, bucket in enumerate(self.buckets):
             last = k == len(self.buckets) - 1
             await asyncio.gather(*[c.update_weights_from_distributed(
@@ -68,6 +73,9 @@ class DistributedWeightSync:
         if bad:
             raise RuntimeError(f"weight sync to version {version} not confirmed by {bad}")
         return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": sent}
+
+    async def push(self, version: int) -> dict[str, float]:
+        return await self.deliver(version, self.begin(version))
 
     async def aclose(self) -> None:
         for c in self.clients:
