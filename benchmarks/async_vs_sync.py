@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 
 from loongsage.config import load_config
@@ -52,8 +51,6 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="do not pin trainer and engine to their own cores")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    if not args.no_pin:  # before Ray starts: its processes inherit this, the trainer re-pins to core 0
-        os.sched_setaffinity(0, {1})
     out = {}
     for name, k in MODES.items():
         run_dir = tempfile.mkdtemp(prefix=f"bench-{name}-")
@@ -61,7 +58,8 @@ def main() -> None:
             f"run_dir={run_dir}", f"rollout.max_staleness={k}", f"train.steps={args.steps}",
             f"train.eval_every={args.steps}", "train.max_minutes=null", "trainer.threads=1",
             "rollout.engine_threads=1", "rollout.dynamic_sampling=false",
-            *([] if args.no_pin else ["trainer.cpu_affinity=[0]", "engine.cpu_affinity=[1]"]), *args.overrides])
+            *([] if args.no_pin else ["trainer.cpu_affinity=[0]", "engine.cpu_affinity=[1]",
+                                      "train.controller_cpu_affinity=[1]"]), *args.overrides])
         asyncio.run(train(cfg))
         out[name] = measure(run_dir)
         print(f"{name}: {json.dumps(out[name])}", flush=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 
@@ -33,12 +32,7 @@ from loongsage.tasks.prepare import prepare_data
 
 
 def run_loongsage(cfg: RunConfig) -> dict:
-    both = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {1})  # the controller beside the engine; Ray's processes inherit it
-    try:
-        asyncio.run(train(cfg))
-    finally:
-        os.sched_setaffinity(0, both)
+    asyncio.run(train(cfg))
     curve, eval_s = [], 0.0
     for r in read_metrics(cfg.run_dir):
         eval_s += r.get("time/eval_s", 0.0)
@@ -132,7 +126,7 @@ def main() -> None:
         f"run_dir={run_dir}", "rollout.max_staleness=1", f"train.steps={args.max_steps}",
         f"train.eval_every={args.eval_every}", "train.max_minutes=null", f"train.target_accuracy={args.target}",
         "trainer.threads=1", "rollout.engine_threads=1", "trainer.cpu_affinity=[0]", "engine.cpu_affinity=[1]",
-        *args.overrides])
+        "train.controller_cpu_affinity=[1]", *args.overrides])
     base = str(asyncio.run(ensure_base_policy(cfg, Console())))  # shared, cached, not timed
     out: dict = {"target_accuracy": args.target}
     ls = run_loongsage(cfg)

@@ -10,7 +10,7 @@ from loongsage.sample import Sample
 from loongsage.tasks.base import TaskRow
 from loongsage.trainer.batch import collate
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.fsdp import lr_factor
+from loongsage.trainer.step import lr_factor
 
 
 def test_collate_aligns_response_tokens_to_next_token_columns():

@@ -12,6 +12,8 @@ class TrainLoopConfig(BaseModel):
     eval_size: int | None = Field(None, ge=1, description="held-out rows per evaluation (default: all)")
     save_every: int | None = Field(None, ge=1)
     target_accuracy: float | None = Field(None, gt=0, le=1, description="stop once held-out accuracy reaches this")
+    controller_cpu_affinity: list[int] | None = Field(
+        None, description="pin the controller process to these cores once the actors are up (Linux)")
 
 
 class SFTConfig(BaseModel):

@@ -2,6 +2,7 @@
 stopped together (so SFT, bootstrap and RL share one way of bringing a run up and down)."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import ray
@@ -33,9 +34,18 @@ class Runtime:
         started = init_ray(ray_cfg)
         trainers = engines = reference = None
         try:
-            trainers = TrainerGroup(trainer, model_dir)
-            reference = TrainerGroup(trainer, model_dir) if with_reference else None
-            engines = EngineGroup(model_dir, engine, rollout)
+            # Trainer ranks, engines (and the reference) start in parallel: each spends seconds
+            # importing torch and loading weights in its own process.
+            parts = await asyncio.gather(
+                asyncio.to_thread(TrainerGroup, trainer, model_dir),
+                asyncio.to_thread(EngineGroup, model_dir, engine, rollout),
+                *([asyncio.to_thread(TrainerGroup, trainer, model_dir)] if with_reference else []),
+                return_exceptions=True)
+            trainers, engines = (p if not isinstance(p, BaseException) else None for p in parts[:2])
+            reference = parts[2] if with_reference and not isinstance(parts[2], BaseException) else None
+            failed = [p for p in parts if isinstance(p, BaseException)]
+            if failed:
+                raise failed[0]
             sync = DistributedWeightSync(trainers, engines.urls, engine_dtype=engine.dtype,
                                          bucket_mb=rollout.weight_bucket_mb,
                                          backend="nccl" if trainer.device.startswith("cuda") else "gloo")

@@ -20,6 +20,7 @@ same code path. Groups found stale anyway are evicted and counted (`samples/drop
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter, defaultdict
 
@@ -56,6 +57,9 @@ async def train(cfg: RunConfig) -> dict:
     rt = await Runtime.start(str(base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
                              with_reference=cfg.algo.loss.kl_coef > 0)
     metrics = MetricsWriter(run_dir)
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if cfg.train.controller_cpu_affinity and cores is not None:  # after start-up: Ray's processes keep all cores
+        os.sched_setaffinity(0, cfg.train.controller_cpu_affinity)
     ro = cfg.rollout
     window = StalenessWindow(ro.max_staleness, ro.prompts_per_step,
                              ro.max_inflight_groups or (ro.max_staleness + 1) * ro.prompts_per_step)
@@ -120,6 +124,8 @@ async def train(cfg: RunConfig) -> dict:
         timeline.save(run_dir / "timeline.json")
         metrics.close()
         await rt.close()
+        if cfg.train.controller_cpu_affinity and cores is not None:
+            os.sched_setaffinity(0, cores)
     return summary
 
 

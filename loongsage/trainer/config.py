@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    backend: Literal["fsdp"] = "fsdp"
+    backend: Literal["fsdp", "megatron"] = "fsdp"
     world_size: int = Field(1, ge=1, description="trainer ranks (Ray actors)")
+    tensor_parallel_size: int = Field(1, ge=1, description="megatron: ranks per tensor-parallel group; "
+                                                            "data parallel = world_size / this")
     lr: float = Field(1e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
@@ -23,3 +25,16 @@ class TrainerConfig(BaseModel):
     device: str = "cpu"
     cpu_affinity: list[int] | None = Field(None, description="pin each rank to these CPU cores (Linux)")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _parallelism(self) -> "TrainerConfig":
+        if self.tensor_parallel_size > 1 and self.backend != "megatron":
+            raise ValueError("tensor_parallel_size > 1 needs backend: megatron")
+        if self.world_size % self.tensor_parallel_size:
+            raise ValueError(f"world_size ({self.world_size}) must be a multiple of "
+                             f"tensor_parallel_size ({self.tensor_parallel_size})")
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size

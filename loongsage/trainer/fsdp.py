@@ -5,14 +5,11 @@ The loss of a step is the sum over micro-batches and ranks of per-token terms di
 """
 from __future__ import annotations
 
-import json
-import math
-import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
     set_optimizer_state_dict,
@@ -21,33 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM
 
-from loongsage.algo.losses import LossConfig, PolicyInputs, policy_loss, sft_loss
-from loongsage.algo.mismatch import train_inference_gap
+from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-
-ADDITIVE = {"loss/policy", "loss/sft"}  # summed over micro-batches and ranks
-MAXIMAL = {"mismatch/max_abs_logprob_diff"}  # maximum over micro-batches and ranks; the rest are averaged
-
-
-def lr_factor(step: int, cfg: TrainerConfig) -> float:
-    """Linear warm-up, then constant, linear or cosine decay to 0 at `total_steps`."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    if cfg.lr_schedule == "constant" or not cfg.total_steps:
-        return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
-    if cfg.lr_schedule == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return chosen, entropy
-
+from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy, write_hf_folder
 
 class FSDPBackend:
     def __init__(self, cfg: TrainerConfig, model_path: str):
@@ -91,32 +65,13 @@ class FSDPBackend:
     # ---- training ---------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float) -> dict[str, float]:
         self.model.train()
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
+        sums = MetricSums()
         for _, mb in batch.micro_batches(self.cfg.micro_batch_size):
-            lp, ent = self._forward(mb, loss == "policy" and loss_cfg is not None and loss_cfg.entropy_coef > 0)
-            mask = mb.loss_mask.to(self.device)
-            if loss == "sft":
-                value, metrics = sft_loss(lp, mask, denominator)
-            elif loss == "policy":
-                # No recomputed proximal logprobs: this forward runs the pre-update policy (one step per batch).
-                proximal = lp.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs.to(self.device)
-                behavior = mb.behavior_logprobs.to(self.device)
-                x = PolicyInputs(lp, proximal, behavior, mb.advantages.to(self.device), mask, ent,
-                                 None if mb.ref_logprobs is None else mb.ref_logprobs.to(self.device))
-                value, metrics = policy_loss(x, loss_cfg, denominator)
-                metrics.update(train_inference_gap(behavior, proximal, mask))
-            else:
-                raise ValueError(f"loss: expected 'policy' or 'sft', got {loss!r}")
+            lp, ent = self._forward(mb, wants_entropy(loss, loss_cfg))
+            value, metrics = micro_batch_loss(lp, ent, mb, loss, loss_cfg, denominator)
             # FSDP averages gradients over ranks; the global denominator already normalises.
             (value * self.world).backward()
-            w = float(mask.sum())
-            for k, v in metrics.items():
-                if k in MAXIMAL:
-                    sums[k] = max(sums.get(k, 0.0), v)
-                else:
-                    sums[k] = sums.get(k, 0.0) + (v if k in ADDITIVE else v * w)
-                weights[k] = weights.get(k, 0.0) + w
+            sums.add(metrics, float(mb.loss_mask.sum()))
         grad_norm = 0.0
         if self.cfg.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
@@ -125,7 +80,7 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.version += 1
-        out = {k: (v if k in ADDITIVE | MAXIMAL else v / max(weights[k], 1e-9)) for k, v in sums.items()}
+        out = sums.result()
         out.update({"train/grad_norm": grad_norm, "train/lr": self.scheduler.get_last_lr()[0],
                     "train/tokens": float(batch.loss_mask.sum())})
         return out
@@ -153,15 +108,8 @@ class FSDPBackend:
         osd = get_optimizer_state_dict(self.model, self.optimizer,
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
-            out = Path(path)
-            out.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in sd.items()}, str(out / "model.safetensors"))
-            for f in Path(self.model_path).iterdir():  # config, tokenizer, generation config, ...
-                if f.is_file() and f.suffix not in (".safetensors", ".pt", ".bin") and f.name != "model.safetensors.index.json":
-                    shutil.copy(f, out / f.name)
-            torch.save({"optimizer": osd, "scheduler": self.scheduler.state_dict(), "version": self.version},
-                       out / "trainer_state.pt")
-            (out / "loongsage_checkpoint.json").write_text(json.dumps({"version": self.version}))
+            write_hf_folder(Path(path), sd, self.model_path, {"optimizer": osd, "scheduler": self.scheduler.state_dict(),
+                                                              "version": self.version})
         dist.barrier()
 
     def load(self, path: str) -> None:

@@ -11,7 +11,7 @@ from loongsage.cluster.actors import stop_actors
 from loongsage.rollout.launcher import free_port
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.fsdp import ADDITIVE, MAXIMAL
+from loongsage.trainer.step import ADDITIVE, MAXIMAL
 from loongsage.trainer.worker import TrainerRank
 
 
@@ -29,19 +29,31 @@ class TrainerGroup:
     def rank0(self):
         return self.ranks[0]
 
+    def _rank_shards(self, batch: TrainBatch) -> list[TrainBatch]:
+        """One shard per data-parallel replica; the tensor-parallel ranks of a replica (adjacent, as
+        Megatron lays them out) all get its shard."""
+        tp = self.cfg.tensor_parallel_size
+        shards = batch.shards(self.cfg.data_parallel_size)
+        return [shards[r // tp] for r in range(len(self.ranks))]
+
+    def _replica_leads(self, per_rank: list) -> list:
+        """The results of each replica's first rank (its tensor-parallel peers return the same)."""
+        return per_rank[:: self.cfg.tensor_parallel_size]
+
     async def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
-        shards = batch.shards(len(self.ranks))
-        outs = await asyncio.gather(*[r.compute_logprobs.remote(s, with_entropy) for r, s in zip(self.ranks, shards)])
+        outs = await asyncio.gather(*[r.compute_logprobs.remote(s, with_entropy)
+                                      for r, s in zip(self.ranks, self._rank_shards(batch))])
+        outs = self._replica_leads(outs)
         lp = torch.cat([o[0] for o in outs])[: batch.size]
         ent = torch.cat([o[1] for o in outs])[: batch.size] if with_entropy else None
         return lp, ent
 
     async def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None) -> dict[str, float]:
         denominator = batch.num_tokens if (loss_cfg is None or loss_cfg.aggregation == "token_mean") else batch.num_sequences
-        shards = batch.shards(len(self.ranks))
         cfg = None if loss_cfg is None else loss_cfg.model_dump()
         per_rank = await asyncio.gather(*[r.train_step.remote(s, loss, cfg, max(denominator, 1.0))
-                                          for r, s in zip(self.ranks, shards)])
+                                          for r, s in zip(self.ranks, self._rank_shards(batch))])
+        per_rank = self._replica_leads(per_rank)
         out = {}
         for key in per_rank[0]:
             vals = [m[key] for m in per_rank if key in m]
@@ -50,6 +62,10 @@ class TrainerGroup:
             else:
                 out[key] = sum(vals) if key in ADDITIVE or key == "train/tokens" else sum(vals) / len(vals)
         return out
+
+    def full_state_dict_on_rank0(self) -> dict[str, torch.Tensor]:
+        """The full HF-named weights (a collective over all ranks; rank 0's result)."""
+        return ray.get([r.full_state_dict.remote() for r in self.ranks])[0]
 
     def weight_meta(self) -> list[tuple[str, str, list[int]]]:
         return ray.get(self.rank0.weight_meta.remote())

@@ -34,6 +34,10 @@ class TrainerRank:
             from loongsage.trainer.fsdp import FSDPBackend
 
             self.backend = FSDPBackend(self.cfg, model_path)
+        elif self.cfg.backend == "megatron":
+            from loongsage.trainer.megatron import MegatronBackend
+
+            self.backend = MegatronBackend(self.cfg, model_path)
         else:  # validated by the config schema
             raise ValueError(f"trainer.backend: unknown {self.cfg.backend!r}")
         self.weight_group = None
@@ -49,6 +53,9 @@ class TrainerRank:
     def train_step(self, batch: TrainBatch, loss: str, loss_cfg: dict | None, denominator: float) -> dict:
         cfg = None if loss_cfg is None else LossConfig.model_validate(loss_cfg)
         return self.backend.train_step(batch, loss, cfg, denominator)
+
+    def full_state_dict(self):
+        return self.backend.full_state_dict()
 
     def weight_meta(self) -> list:
         return self.backend.weight_meta()

@@ -1,0 +1,170 @@
+"""HF <-> Megatron-Core weights for the Qwen2 / Qwen3 / Llama families (Megatron's local layer spec).
+
+A small mapping of our own (mbridge needs several workarounds here and megatron-bridge needs
+Transformer Engine). Tensor-parallel layout, per decoder layer:
+- `linear_qkv` (column parallel): rows interleaved per query group [q heads of the group, k, v];
+  rank r holds a contiguous run of groups.
+- `linear_fc1` (column parallel): [gate; up], each half split over ranks, so rank r holds
+  [gate_r; up_r].
+- `linear_proj`, `linear_fc2` (row parallel): split along the input dimension.
+- embedding and output layer: split along the vocabulary; norms are replicated.
+The round trip HF -> Megatron shards -> HF is exact (tested).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED = ("qwen2", "qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class Layout:
+    arch: str
+    num_layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+    eps: float
+    rope_theta: float
+    max_positions: int
+
+    @classmethod
+    def from_hf(cls, config) -> "Layout":
+        arch = config.model_type
+        if arch not in SUPPORTED:
+            raise ValueError(f"trainer.backend=megatron: model_type {arch!r} is not supported; expected one of {SUPPORTED}")
+        heads = config.num_attention_heads
+        rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        return cls(arch=arch, num_layers=config.num_hidden_layers, hidden=config.hidden_size, heads=heads,
+                   kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+                   ffn=config.intermediate_size, vocab=config.vocab_size,
+                   tied=bool(getattr(config, "tie_word_embeddings", False)),
+                   qkv_bias=arch == "qwen2" or bool(getattr(config, "attention_bias", False)),
+                   qk_norm=arch == "qwen3", eps=config.rms_norm_eps, rope_theta=float(rope),
+                   max_positions=config.max_position_embeddings)
+
+    def check_tp(self, tp: int) -> None:
+        for what, n in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads),
+                        ("intermediate_size", self.ffn), ("vocab_size", self.vocab)):
+            if n % tp:
+                raise ValueError(f"trainer.tensor_parallel_size={tp} must divide the model's {what} ({n})")
+
+
+def _layer_map(i: int, lay: Layout) -> dict[str, str]:
+    """Megatron name -> HF name for the tensors that map one to one."""
+    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+    out = {m + "input_layernorm.weight": h + "input_layernorm.weight",
+           m + "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
+           m + "self_attention.linear_proj.weight": h + "self_attn.o_proj.weight",
+           m + "mlp.linear_fc2.weight": h + "mlp.down_proj.weight"}
+    if lay.qk_norm:
+        out[m + "self_attention.q_layernorm.weight"] = h + "self_attn.q_norm.weight"
+        out[m + "self_attention.k_layernorm.weight"] = h + "self_attn.k_norm.weight"
+    return out
+
+
+_ROW_PARALLEL = ("linear_proj.weight", "linear_fc2.weight")
+
+
+def _split(name: str, t: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    if t.dim() == 1 and not name.endswith("linear_qkv.bias"):
+        return t  # norms: replicated
+    dim = 1 if name.endswith(_ROW_PARALLEL) else 0
+    return t.chunk(tp, dim=dim)[rank].clone()
+
+
+def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay: Layout) -> torch.Tensor:
+    g, per, d = lay.kv_heads, lay.heads // lay.kv_heads, lay.head_dim
+    tail = q.shape[1:]
+    return torch.cat([q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1) \
+        .reshape(g * (per + 2) * d, *tail)
+
+
+def _unqkv(qkv: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g, per, d = lay.kv_heads, lay.heads // lay.kv_heads, lay.head_dim
+    tail = qkv.shape[1:]
+    x = qkv.reshape(g, (per + 2) * d, *tail)
+    q, k, v = x[:, : per * d], x[:, per * d: (per + 1) * d], x[:, (per + 1) * d:]
+    return q.reshape(g * per * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)
+
+
+def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of tensor-parallel rank `rank` (of `tp`) from a full HF state dict."""
+    out = {"embedding.word_embeddings.weight": _split("embedding", hf["model.embed_tokens.weight"], rank, tp),
+           "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
+    if not lay.tied:
+        out["output_layer.weight"] = _split("output_layer", hf["lm_head.weight"], rank, tp)
+    for i in range(lay.num_layers):
+        for m_name, h_name in _layer_map(i, lay).items():
+            out[m_name] = _split(m_name, hf[h_name], rank, tp)
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        qkv = _qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"], lay)
+        out[m + "self_attention.linear_qkv.weight"] = qkv.chunk(tp, dim=0)[rank].clone()
+        if lay.qkv_bias:
+            bias = _qkv(hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"], lay)
+            out[m + "self_attention.linear_qkv.bias"] = bias.chunk(tp, dim=0)[rank].clone()
+        gate, up = hf[h + "mlp.gate_proj.weight"].chunk(tp, dim=0), hf[h + "mlp.up_proj.weight"].chunk(tp, dim=0)
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([gate[rank], up[rank]], dim=0)
+    return out
+
+
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout) -> dict[str, torch.Tensor]:
+    """The full HF state dict from the Megatron state dicts of all tensor-parallel ranks, in rank
+    order (without `lm_head.weight` when the embeddings are tied)."""
+    def cat(name: str) -> torch.Tensor:
+        parts = [s[name] for s in shards]
+        if parts[0].dim() == 1 and not name.endswith("linear_qkv.bias"):
+            return parts[0].clone()
+        return torch.cat(parts, dim=1 if name.endswith(_ROW_PARALLEL) else 0)
+
+    out = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight"),
+           "model.norm.weight": cat("decoder.final_layernorm.weight")}
+    if not lay.tied:
+        out["lm_head.weight"] = cat("output_layer.weight")
+    for i in range(lay.num_layers):
+        for m_name, h_name in _layer_map(i, lay).items():
+            out[h_name] = cat(m_name)
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        q, k, v = _unqkv(cat(m + "self_attention.linear_qkv.weight"), lay)
+        out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v})
+        if lay.qkv_bias:
+            q, k, v = _unqkv(cat(m + "self_attention.linear_qkv.bias"), lay)
+            out.update({h + "self_attn.q_proj.bias": q, h + "self_attn.k_proj.bias": k, h + "self_attn.v_proj.bias": v})
+        halves = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
+        out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
+        out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
+    return out
+
+
+def transformer_config(lay: Layout, tp: int, dtype: torch.dtype = torch.float32):
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=lay.num_layers, hidden_size=lay.hidden, num_attention_heads=lay.heads,
+        num_query_groups=lay.kv_heads, kv_channels=lay.head_dim, ffn_hidden_size=lay.ffn,
+        normalization="RMSNorm", layernorm_epsilon=lay.eps, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=lay.qkv_bias, qk_layernorm=lay.qk_norm,
+        attention_dropout=0.0, hidden_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=tp, use_cpu_initialization=True,
+        perform_initialization=True,  # also marks the tensor-parallel params (grad norm, checkpoints)
+        params_dtype=dtype, pipeline_dtype=dtype)
+
+
+def build_gpt_model(lay: Layout, tp: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return GPTModel(transformer_config(lay, tp), get_gpt_layer_local_spec(qk_layernorm=lay.qk_norm),
+                    vocab_size=lay.vocab, max_sequence_length=lay.max_positions, position_embedding_type="rope",
+                    rotary_base=lay.rope_theta, share_embeddings_and_output_weights=lay.tied)
