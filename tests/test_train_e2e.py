@@ -31,9 +31,14 @@ def shared(tmp_path_factory):
             f"task.data_dir={root / 'data'}"], root
 
 
+BACKENDS = {"fsdp": [], "megatron_tp2": ["trainer.backend=megatron", "trainer.world_size=2",
+                                          "trainer.tensor_parallel_size=2", "trainer.threads=1"]}
+
+
 @pytest.mark.slow
-def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, shared):
-    cfg = load_config("recipes/arith_grpo.yaml", EASY + shared[0] + [f"run_dir={tmp_path / 'run'}"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, shared, backend):
+    cfg = load_config("recipes/arith_grpo.yaml", EASY + shared[0] + BACKENDS[backend] + [f"run_dir={tmp_path / 'run'}"])
     summary = asyncio.run(train(cfg))
     records = read_metrics(tmp_path / "run")
     assert records[0]["step"] == 0 and "eval/accuracy" in records[0]

@@ -17,6 +17,8 @@ class EngineConfig(BaseModel):
     prefix_cache: bool = True
     weight_version: str = "0"
     cpu_affinity: list[int] | None = Field(None, description="pin the engine process to these CPU cores (Linux)")
+    sglang_args: list[str] = Field(default_factory=list, description="extra `sglang.launch_server` flags "
+                                   "(rollout.engine=sglang), e.g. ['--tp-size', '2', '--mem-fraction-static', '0.7']")
 
     def cli_args(self) -> list[str]:
         """The `loongsage engine` flags that reproduce this config in a child process."""
@@ -29,3 +31,13 @@ class EngineConfig(BaseModel):
         if self.cpu_affinity:
             args += ["--cpu-affinity", ",".join(map(str, self.cpu_affinity))]
         return args
+
+    def sglang_args_for(self) -> list[str]:
+        """The `python -m sglang.launch_server` flags equivalent to this config (SGLang on GPU)."""
+        args = ["--dtype", self.dtype, "--max-running-requests", str(self.max_running),
+                "--max-prefill-tokens", str(self.max_prefill_tokens), "--weight-version", self.weight_version]
+        if self.context_length:
+            args += ["--context-length", str(self.context_length)]
+        if not self.prefix_cache:
+            args.append("--disable-radix-cache")
+        return args + list(self.sglang_args)

@@ -11,12 +11,13 @@ from loongsage.rollout.config import RolloutConfig
 
 class EngineActor:
     def __init__(self, model_path: str, cfg: dict, threads: int, kind: str):
-        from loongsage.rollout.launcher import launch_engine
+        from loongsage.rollout.launcher import launch_engine, launch_sglang
 
         ecfg = EngineConfig.model_validate(cfg)
-        if kind != "embedded":
-            raise NotImplementedError("rollout.engine=sglang needs a GPU node (see the Megatron/SGLang issue)")
-        self.proc = launch_engine(model_path, threads=threads, extra_args=ecfg.cli_args())
+        if kind == "sglang":
+            self.proc = launch_sglang(model_path, ecfg.sglang_args_for())
+        else:
+            self.proc = launch_engine(model_path, threads=threads, extra_args=ecfg.cli_args())
 
     def url(self) -> str:
         return self.proc.url
@@ -30,7 +31,8 @@ class EngineActor:
 
 class EngineGroup:
     def __init__(self, model_path: str, engine_cfg: EngineConfig, rollout: RolloutConfig):
-        actor = ray.remote(num_cpus=0)(EngineActor)
+        gpus = rollout.engine_gpus if rollout.engine == "sglang" else 0
+        actor = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
         self.actors = [actor.remote(str(model_path), engine_cfg.model_dump(), rollout.engine_threads, rollout.engine)
                        for _ in range(rollout.num_engines)]
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])

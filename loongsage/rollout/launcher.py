@@ -66,11 +66,34 @@ class EngineProcess:
 def launch_engine(model: str, host: str = "127.0.0.1", port: int | None = None, threads: int = 1,
                   extra_args: list[str] | None = None, startup_timeout_s: float = 120.0,
                   log_path: str | None = None) -> EngineProcess:
+    """The embedded engine (`loongsage engine`) as a child process."""
     port = port or free_port(host)
-    log_path = log_path or tempfile.mkstemp(prefix="loongsage-engine-", suffix=".log")[1]
     cmd = [sys.executable, "-m", "loongsage.cli", "engine", "--model", str(model), "--host", host,
            "--port", str(port), "--threads", str(threads), *(extra_args or [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    return _launch(cmd, host, port, env, startup_timeout_s, log_path)
+
+
+def sglang_command(model: str, host: str, port: int, args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host,
+            "--port", str(port), *args]
+
+
+def launch_sglang(model: str, args: list[str], host: str = "127.0.0.1", port: int | None = None,
+                  startup_timeout_s: float = 900.0, log_path: str | None = None) -> EngineProcess:
+    """An SGLang server (GPU) as a child process; the same client code talks to it."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError("rollout.engine=sglang needs SGLang on a GPU node: pip install -e .[gpu]")
+    port = port or free_port(host)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return _launch(sglang_command(model, host, port, args), host, port, env, startup_timeout_s, log_path)
+
+
+def _launch(cmd: list[str], host: str, port: int, env: dict, startup_timeout_s: float,
+            log_path: str | None) -> EngineProcess:
+    log_path = log_path or tempfile.mkstemp(prefix="loongsage-engine-", suffix=".log")[1]
     logf = open(log_path, "ab")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)

@@ -23,6 +23,8 @@ class TrainerConfig(BaseModel):
     bf16: bool = False
     threads: int = Field(1, ge=1, description="torch threads per rank")
     device: str = "cpu"
+    gpus_per_rank: float = Field(1.0, gt=0, le=1, description="GPUs each rank reserves in Ray when device is cuda "
+                                 "(below 1 to share a GPU with an SGLang engine)")
     cpu_affinity: list[int] | None = Field(None, description="pin each rank to these CPU cores (Linux)")
     seed: int = 0
 

@@ -19,7 +19,7 @@ class TrainerGroup:
     def __init__(self, cfg: TrainerConfig, model_path: str):
         self.cfg = cfg
         world = cfg.world_size
-        actor = ray.remote(num_cpus=0, num_gpus=1 if cfg.device.startswith("cuda") else 0)(TrainerRank)
+        actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0)(TrainerRank)
         port = free_port()
         self.ranks = [actor.remote(cfg.model_dump(), str(model_path), r, world, "127.0.0.1", port)
                       for r in range(world)]
