@@ -1,5 +1,5 @@
 """Megatron-Core backend on CPU (gloo): exact HF <-> Megatron conversion, logprobs equal to the FSDP2
-backend's at TP=1 and TP=2, and training steps that match FSDP2's."""
+backend's at TP=1, TP=2, PP=2, DP=2 and TP=2 x PP=2, and training steps that match FSDP2's."""
 from __future__ import annotations
 
 import asyncio
@@ -37,6 +37,13 @@ def test_hf_megatron_round_trip_is_exact(tmp_path, arch, kv, tied):
         expected = {k: v for k, v in hf.items() if not (tied and k == "lm_head.weight")}
         assert back.keys() == expected.keys()
         assert all(torch.equal(back[k], expected[k]) for k in expected), tp
+    stages = [hf_to_megatron(hf, lay, 0, 1, stage, 2) for stage in (0, 1)]  # two pipeline stages
+    assert "embedding.word_embeddings.weight" not in stages[1] and "decoder.final_layernorm.weight" not in stages[0]
+    assert ("output_layer.weight" in stages[1]) and not any(k.startswith("decoder.layers.1.") for s in stages for k in s)
+    back = {}
+    for stage, sd in enumerate(stages):
+        back.update(megatron_to_hf([sd], lay, stage, 2))
+    assert back.keys() == expected.keys() and all(torch.equal(back[k], expected[k]) for k in expected)
 
 
 def test_unsupported_model_and_bad_tensor_parallel_size_are_named(tmp_path):
@@ -45,12 +52,12 @@ def test_unsupported_model_and_bad_tensor_parallel_size_are_named(tmp_path):
     path = build_tiny_model(tmp_path / "m", TinyModelSpec(num_heads=4, num_kv_heads=2))
     lay = Layout.from_hf(AutoConfig.from_pretrained(path))
     with pytest.raises(ValueError, match="tensor_parallel_size=4 must divide the model's num_key_value_heads"):
-        lay.check_tp(4)
+        lay.check_parallel(4)
     config = AutoConfig.from_pretrained(path)
     config.model_type = "gpt2"
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         Layout.from_hf(config)
-    with pytest.raises(ValueError, match="needs backend: megatron"):
+    with pytest.raises(ValueError, match="need backend: megatron"):
         TrainerConfig(tensor_parallel_size=2, world_size=2)
 
 
@@ -76,12 +83,17 @@ def _run(group: TrainerGroup, steps: int):
     return asyncio.run(go())
 
 
-def test_megatron_tp1_and_tp2_match_fsdp_logprobs_and_training(ray_session, tiny_model):
+def test_megatron_tp_pp_dp_layouts_match_fsdp_logprobs_and_training(ray_session, tiny_model):
     common = dict(lr=1e-2, micro_batch_size=4, max_grad_norm=0.5)
     runs = {}
     for name, cfg in {"fsdp": TrainerConfig(**common),
                       "megatron_tp1": TrainerConfig(backend="megatron", **common),
-                      "megatron_tp2": TrainerConfig(backend="megatron", world_size=2, tensor_parallel_size=2, **common)}.items():
+                      "megatron_tp2": TrainerConfig(backend="megatron", world_size=2, tensor_parallel_size=2, **common),
+                      "megatron_pp2": TrainerConfig(backend="megatron", world_size=2, pipeline_parallel_size=2,
+                                                    **common),
+                      "megatron_dp2": TrainerConfig(backend="megatron", world_size=2, **common),
+                      "megatron_tp2_pp2": TrainerConfig(backend="megatron", world_size=4, tensor_parallel_size=2,
+                                                        pipeline_parallel_size=2, **common)}.items():
         group = TrainerGroup(cfg, tiny_model)
         try:
             runs[name] = _run(group, steps=3)
@@ -89,7 +101,7 @@ def test_megatron_tp1_and_tp2_match_fsdp_logprobs_and_training(ray_session, tiny
         finally:
             group.shutdown()
     mask, ref_before, ref_metrics, ref_after, ref_weights = runs["fsdp"]
-    for name in ("megatron_tp1", "megatron_tp2"):
+    for name in [n for n in runs if n != "fsdp"]:
         _, before, metrics, after, weights = runs[name]
         assert ((before - ref_before) * mask).abs().max() < 1e-5, name  # same weights, same logprobs
         for m, r in zip(metrics, ref_metrics):

@@ -10,8 +10,9 @@ class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     backend: Literal["fsdp", "megatron"] = "fsdp"
     world_size: int = Field(1, ge=1, description="trainer ranks (Ray actors)")
-    tensor_parallel_size: int = Field(1, ge=1, description="megatron: ranks per tensor-parallel group; "
-                                                            "data parallel = world_size / this")
+    tensor_parallel_size: int = Field(1, ge=1, description="megatron: ranks per tensor-parallel group")
+    pipeline_parallel_size: int = Field(1, ge=1, description="megatron: pipeline stages; data parallel = "
+                                                              "world_size / (tensor_parallel_size * this)")
     lr: float = Field(1e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
@@ -30,13 +31,14 @@ class TrainerConfig(BaseModel):
 
     @model_validator(mode="after")
     def _parallelism(self) -> "TrainerConfig":
-        if self.tensor_parallel_size > 1 and self.backend != "megatron":
-            raise ValueError("tensor_parallel_size > 1 needs backend: megatron")
-        if self.world_size % self.tensor_parallel_size:
-            raise ValueError(f"world_size ({self.world_size}) must be a multiple of "
-                             f"tensor_parallel_size ({self.tensor_parallel_size})")
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if model_parallel > 1 and self.backend != "megatron":
+            raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 need backend: megatron")
+        if self.world_size % model_parallel:
+            raise ValueError(f"world_size ({self.world_size}) must be a multiple of tensor_parallel_size x "
+                             f"pipeline_parallel_size ({model_parallel})")
         return self
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)

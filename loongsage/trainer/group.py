@@ -30,15 +30,18 @@ class TrainerGroup:
         return self.ranks[0]
 
     def _rank_shards(self, batch: TrainBatch) -> list[TrainBatch]:
-        """One shard per data-parallel replica; the tensor-parallel ranks of a replica (adjacent, as
-        Megatron lays them out) all get its shard."""
-        tp = self.cfg.tensor_parallel_size
-        shards = batch.shards(self.cfg.data_parallel_size)
-        return [shards[r // tp] for r in range(len(self.ranks))]
+        """One shard per data-parallel replica, given to all its tensor-parallel ranks and pipeline
+        stages (Megatron's layout: tensor-parallel fastest, then data, then pipeline)."""
+        tp, dp = self.cfg.tensor_parallel_size, self.cfg.data_parallel_size
+        shards = batch.shards(dp)
+        return [shards[(r // tp) % dp] for r in range(len(self.ranks))]
 
     def _replica_leads(self, per_rank: list) -> list:
-        """The results of each replica's first rank (its tensor-parallel peers return the same)."""
-        return per_rank[:: self.cfg.tensor_parallel_size]
+        """Per replica, the results of its first rank in the last pipeline stage (where logprobs and
+        losses are computed; its tensor-parallel peers return the same)."""
+        tp, dp = self.cfg.tensor_parallel_size, self.cfg.data_parallel_size
+        last = len(self.ranks) - tp * dp
+        return [per_rank[last + tp * d] for d in range(dp)]
 
     async def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
         outs = await asyncio.gather(*[r.compute_logprobs.remote(s, with_entropy)

@@ -1,14 +1,19 @@
-"""Megatron-Core backend: GPTModel (local layer spec), tensor and data parallelism, Megatron's DDP
-and optimizer, behind the same TrainBackend contract as FSDP2.
+"""Megatron-Core backend: GPTModel (local layer spec), tensor, pipeline and data parallelism,
+Megatron's schedules, DDP and optimizer, behind the same TrainBackend contract as FSDP2.
 
-Ranks are laid out as Megatron does (tensor-parallel ranks adjacent): rank r is tensor-parallel rank
-r % tp of data-parallel replica r // tp. The trainer group gives every rank of a replica the same
-shard of the batch. Weights come from and go to HF folders through `megatron_convert`; the
-tensor-parallel shards are gathered for export. On a machine without CUDA `megatron_shim` redirects
-Megatron's CUDA assumptions (gloo collectives, FP32 optimizer, local spec).
+Ranks are laid out as Megatron does (tensor-parallel fastest, then data, then pipeline): rank r is
+tensor-parallel rank r % tp of replica (r // tp) % dp in stage r // (tp * dp). Every rank of a
+replica gets the replica's shard of the batch; results (logprobs, metrics) come from the last stage.
+Every step runs through Megatron's forward-backward schedule (no pipelining when pp = 1, 1F1B
+otherwise) with variable sequence lengths, since micro-batches are trimmed to their longest row.
+Losses arrive divided by the global denominator (`calculate_per_token_loss`: nothing is averaged
+again). Weights come from and go to HF folders through `megatron_convert`; for export the
+tensor-parallel shards are gathered per stage and the stages' parts gathered on rank 0. On a machine
+without CUDA `megatron_shim` redirects Megatron's CUDA assumptions.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,24 +49,24 @@ class MegatronBackend:
 
         self.cfg, self.model_path = cfg, str(model_path)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.tp = cfg.tensor_parallel_size
+        self.tp, self.pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
         on_cpu = not cfg.device.startswith("cuda")
         if on_cpu:
             apply_cpu_shim()
             if cfg.bf16:
                 raise ValueError("trainer.bf16 with trainer.backend=megatron needs CUDA (Megatron's bf16 optimizer)")
         self.device = torch.device("cpu") if on_cpu else torch.device("cuda", torch.cuda.current_device())
-        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp)
-        self.tp_rank, self.dp = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_world_size()
-        self.tp_group = ps.get_tensor_model_parallel_group()
+        ps.initialize_model_parallel(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp)
+        self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+        self.stage, self.last = ps.get_pipeline_model_parallel_rank(), ps.is_pipeline_last_stage()
+        self.lead = self.tp_rank == 0 and ps.get_data_parallel_rank() == 0  # exports its stage
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
-        hf_config = AutoConfig.from_pretrained(self.model_path)
-        self.layout = Layout.from_hf(hf_config)
-        self.layout.check_tp(self.tp)
+        self.layout = Layout.from_hf(AutoConfig.from_pretrained(self.model_path))
+        self.layout.check_parallel(self.tp, self.pp)
         hf = _hf_weights(self.model_path)
         self.meta = [(n, "float32", list(t.shape)) for n, t in hf.items() if not (self.layout.tied and n == "lm_head.weight")]
-        model = build_gpt_model(self.layout, self.tp).to(self.device)
-        model.load_state_dict(hf_to_megatron(hf, self.layout, self.tp_rank, self.tp), strict=True)
+        model = build_gpt_model(self.layout, self.tp, self.pp, self.stage).to(self.device)
+        self._load_local(model, hf)
         self.model = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                         use_distributed_optimizer=False), model)
@@ -71,31 +76,59 @@ class MegatronBackend:
             use_distributed_optimizer=False), [self.model])
         self.step_count = 0
         self.version = 0
+        self._entropy = False  # whether the current schedule computes entropies
+
+    def _load_local(self, model, hf: dict[str, torch.Tensor]) -> None:
+        sd = hf_to_megatron(hf, self.layout, self.tp_rank, self.tp, self.stage, self.pp)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise RuntimeError(f"Megatron weights of stage {self.stage}: missing {missing}, unexpected {unexpected}")
 
     # ---- forward ----------------------------------------------------------------------------
-    def _forward(self, mb: TrainBatch, with_entropy: bool):
+    def _schedule(self, batch: TrainBatch, forward_only: bool, on_logprobs) -> None:
+        """Runs every micro-batch through Megatron's schedule; on the last stage `on_logprobs(idx,
+        mb, lp, ent)` turns each micro-batch's token logprobs into (loss, metrics)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-        ids = mb.input_ids.to(self.device)
-        b, s = ids.shape
-        keys = mb.attention_mask.to(self.device).bool()
-        # True = masked: causal, and no attention to padding keys (right-padded rows never need it).
-        mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), 1)[None, None] | ~keys[:, None, None, :]
-        positions = torch.arange(s, device=self.device)[None].expand(b, -1)
-        logits = self.model(ids, positions, attention_mask=mask)  # [b, s, vocab / tp]
-        logits = gather_from_tensor_model_parallel_region(logits)  # full vocabulary, grads split back
-        return token_logprobs(logits[:, :-1], ids[:, 1:], with_entropy)
+        mbs = batch.micro_batches(self.cfg.micro_batch_size)
+
+        def loss_func(idx, mb, ids, output):
+            logits = gather_from_tensor_model_parallel_region(output)  # full vocabulary, grads split back
+            lp, ent = token_logprobs(logits[:, :-1], ids[:, 1:], self._entropy)
+            value = on_logprobs(idx, mb, lp, ent)
+            return value, torch.tensor(1, dtype=torch.int), {}
+
+        def forward_step(data_iterator, model):
+            idx, mb = next(data_iterator)
+            ids = mb.input_ids.to(self.device)
+            b, s = ids.shape
+            keys = mb.attention_mask.to(self.device).bool()
+            # True = masked: causal, and no attention to padding keys.
+            mask = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), 1)[None, None] | ~keys[:, None, None, :]
+            positions = torch.arange(s, device=self.device)[None].expand(b, -1)
+            return model(ids, positions, attention_mask=mask), partial(loss_func, idx, mb, ids)
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+            seq_length=batch.input_ids.shape[1], micro_batch_size=self.cfg.micro_batch_size, forward_only=forward_only)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
+        """Filled on the last pipeline stage (zeros elsewhere; the trainer group reads the last)."""
         self.model.eval()
         shape = batch.loss_mask.shape
         lps, ents = torch.zeros(shape), (torch.zeros(shape) if with_entropy else None)
-        for idx, mb in batch.micro_batches(self.cfg.micro_batch_size):
-            lp, ent = self._forward(mb, with_entropy)
+
+        def keep(idx, mb, lp, ent):
             lps[idx, : lp.shape[1]] = lp.float().cpu()
             if with_entropy:
                 ents[idx, : ent.shape[1]] = ent.float().cpu()
+            return lp.sum() * 0.0
+
+        self._entropy = with_entropy
+        self._schedule(batch, forward_only=True, on_logprobs=keep)
         return lps, ents
 
     # ---- training ---------------------------------------------------------------------------
@@ -106,15 +139,17 @@ class MegatronBackend:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         sums = MetricSums()
-        for _, mb in batch.micro_batches(self.cfg.micro_batch_size):
-            lp, ent = self._forward(mb, wants_entropy(loss, loss_cfg))
+
+        def loss_of(idx, mb, lp, ent):
             value, metrics = micro_batch_loss(lp, ent, mb, loss, loss_cfg, denominator)
-            # Megatron's DDP averages gradients over data-parallel replicas; the global denominator
-            # already normalises, so undo the average.
-            (value * self.dp).backward()
             sums.add(metrics, float(mb.loss_mask.sum()))
-        # DP all-reduce, plus the grads of replicated params that each tensor-parallel rank sees only
-        # in part (Qwen3's per-head q/k norms), plus tied embeddings across pipeline stages.
+            return value
+
+        self._entropy = wants_entropy(loss, loss_cfg)
+        self._schedule(batch, forward_only=False, on_logprobs=loss_of)
+        # DP all-reduce (summed: the losses are shares of the global one), plus the grads of replicated
+        # params each tensor-parallel rank sees only in part (Qwen3's per-head q/k norms), plus tied
+        # embeddings across pipeline stages.
         finalize_model_grads([self.model])
         lr = self.cfg.lr * lr_factor(self.step_count, self.cfg)
         for group in self.optimizer.param_groups:
@@ -135,21 +170,29 @@ class MegatronBackend:
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Tensor-parallel shards gathered within each replica; HF names, full tensors on rank 0."""
+        """HF-named full tensors on rank 0: tensor-parallel shards gathered within each stage, then
+        each stage's part gathered from its lead rank (a collective on all ranks)."""
         local = self._local_state()
         shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(self.tp)]
         for name in sorted(local):
             t = local[name].contiguous()
+            parts = [t]
             if self.tp > 1:
                 parts = [torch.empty_like(t) for _ in range(self.tp)]
                 dist.all_gather(parts, t, group=self.tp_group)
-            else:
-                parts = [t]
             for r, p in enumerate(parts):
                 shards[r][name] = p.cpu()
-        if self.rank != 0:
-            return None
-        return megatron_to_hf(shards, self.layout)
+        part = megatron_to_hf(shards, self.layout, self.stage, self.pp) if self.lead else None
+        if self.pp > 1:
+            parts = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(part, parts, dst=0)
+            if self.rank != 0:
+                return None
+            full: dict[str, torch.Tensor] = {}
+            for p in parts:
+                full.update(p or {})
+            return full
+        return part if self.rank == 0 else None
 
     def weight_meta(self) -> list[tuple[str, str, list[int]]]:
         return list(self.meta)
@@ -165,8 +208,7 @@ class MegatronBackend:
         dist.barrier()
 
     def load(self, path: str) -> None:
-        hf = _hf_weights(path)
-        self.model.module.load_state_dict(hf_to_megatron(hf, self.layout, self.tp_rank, self.tp), strict=True)
+        self._load_local(self.model.module, _hf_weights(path))
         opt_file = Path(path) / f"megatron_optimizer_rank{self.rank}.pt"
         if opt_file.exists():
             self.optimizer.load_state_dict(torch.load(opt_file, weights_only=False))

@@ -52,16 +52,24 @@ class Layout:
                    qk_norm=arch == "qwen3", eps=config.rms_norm_eps, rope_theta=float(rope),
                    max_positions=config.max_position_embeddings)
 
-    def check_tp(self, tp: int) -> None:
+    def check_parallel(self, tp: int, pp: int = 1) -> None:
         for what, n in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads),
                         ("intermediate_size", self.ffn), ("vocab_size", self.vocab)):
             if n % tp:
                 raise ValueError(f"trainer.tensor_parallel_size={tp} must divide the model's {what} ({n})")
+        if self.num_layers % pp:
+            raise ValueError(f"trainer.pipeline_parallel_size={pp} must divide the model's num_hidden_layers "
+                             f"({self.num_layers})")
+
+    def stage_layers(self, stage: int, stages: int) -> range:
+        """Global indices of the decoder layers of pipeline stage `stage` (Megatron's even split)."""
+        per = self.num_layers // stages
+        return range(stage * per, (stage + 1) * per)
 
 
-def _layer_map(i: int, lay: Layout) -> dict[str, str]:
-    """Megatron name -> HF name for the tensors that map one to one."""
-    m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+def _layer_map(i: int, local: int, lay: Layout) -> dict[str, str]:
+    """Megatron name (layer `local` of its stage) -> HF name (layer `i`) for tensors mapping one to one."""
+    m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
     out = {m + "input_layernorm.weight": h + "input_layernorm.weight",
            m + "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
            m + "self_attention.linear_proj.weight": h + "self_attn.o_proj.weight",
@@ -97,16 +105,24 @@ def _unqkv(qkv: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, 
     return q.reshape(g * per * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)
 
 
-def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: int = 1) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of tensor-parallel rank `rank` (of `tp`) from a full HF state dict."""
-    out = {"embedding.word_embeddings.weight": _split("embedding", hf["model.embed_tokens.weight"], rank, tp),
-           "decoder.final_layernorm.weight": hf["model.norm.weight"].clone()}
-    if not lay.tied:
-        out["output_layer.weight"] = _split("output_layer", hf["lm_head.weight"], rank, tp)
-    for i in range(lay.num_layers):
-        for m_name, h_name in _layer_map(i, lay).items():
+def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: int = 1,
+                   stage: int = 0, stages: int = 1) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of tensor-parallel rank `rank` (of `tp`) in pipeline stage `stage`
+    (of `stages`; decoder layers numbered locally) from a full HF state dict."""
+    first, last = stage == 0, stage == stages - 1
+    out = {}
+    if first:
+        out["embedding.word_embeddings.weight"] = _split("embedding", hf["model.embed_tokens.weight"], rank, tp)
+    if last:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
+        if not lay.tied:
+            out["output_layer.weight"] = _split("output_layer", hf["lm_head.weight"], rank, tp)
+        elif not first:  # tied, but the output layer lives on another stage: a copy, kept in sync by Megatron
+            out["output_layer.weight"] = _split("output_layer", hf["model.embed_tokens.weight"], rank, tp)
+    for local, i in enumerate(lay.stage_layers(stage, stages)):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        for m_name, h_name in _layer_map(i, local, lay).items():
             out[m_name] = _split(m_name, hf[h_name], rank, tp)
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         qkv = _qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"], lay)
         out[m + "self_attention.linear_qkv.weight"] = qkv.chunk(tp, dim=0)[rank].clone()
         if lay.qkv_bias:
@@ -117,23 +133,27 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: 
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout) -> dict[str, torch.Tensor]:
-    """The full HF state dict from the Megatron state dicts of all tensor-parallel ranks, in rank
-    order (without `lm_head.weight` when the embeddings are tied)."""
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout, stage: int = 0,
+                   stages: int = 1) -> dict[str, torch.Tensor]:
+    """The HF tensors held by pipeline stage `stage`, from the Megatron state dicts of all its
+    tensor-parallel ranks in rank order (no `lm_head.weight` when the embeddings are tied)."""
     def cat(name: str) -> torch.Tensor:
         parts = [s[name] for s in shards]
         if parts[0].dim() == 1 and not name.endswith("linear_qkv.bias"):
             return parts[0].clone()
         return torch.cat(parts, dim=1 if name.endswith(_ROW_PARALLEL) else 0)
 
-    out = {"model.embed_tokens.weight": cat("embedding.word_embeddings.weight"),
-           "model.norm.weight": cat("decoder.final_layernorm.weight")}
-    if not lay.tied:
-        out["lm_head.weight"] = cat("output_layer.weight")
-    for i in range(lay.num_layers):
-        for m_name, h_name in _layer_map(i, lay).items():
+    out = {}
+    if stage == 0:
+        out["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight")
+    if stage == stages - 1:
+        out["model.norm.weight"] = cat("decoder.final_layernorm.weight")
+        if not lay.tied:
+            out["lm_head.weight"] = cat("output_layer.weight")
+    for local, i in enumerate(lay.stage_layers(stage, stages)):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        for m_name, h_name in _layer_map(i, local, lay).items():
             out[h_name] = cat(m_name)
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         q, k, v = _unqkv(cat(m + "self_attention.linear_qkv.weight"), lay)
         out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v})
         if lay.qkv_bias:
@@ -145,7 +165,7 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout) -> dict[s
     return out
 
 
-def transformer_config(lay: Layout, tp: int, dtype: torch.dtype = torch.float32):
+def transformer_config(lay: Layout, tp: int, pp: int = 1, dtype: torch.dtype = torch.float32):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -158,13 +178,17 @@ def transformer_config(lay: Layout, tp: int, dtype: torch.dtype = torch.float32)
         masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
         tensor_model_parallel_size=tp, use_cpu_initialization=True,
         perform_initialization=True,  # also marks the tensor-parallel params (grad norm, checkpoints)
-        params_dtype=dtype, pipeline_dtype=dtype)
+        pipeline_model_parallel_size=pp, params_dtype=dtype, pipeline_dtype=dtype,
+        variable_seq_lengths=True,  # micro-batches are trimmed to their own longest row
+        moe_token_dispatcher_type="alltoall",  # (no MoE; the default dispatcher refuses variable lengths)
+        calculate_per_token_loss=True)  # losses arrive divided by the global denominator: no averaging
 
 
-def build_gpt_model(lay: Layout, tp: int):
+def build_gpt_model(lay: Layout, tp: int, pp: int = 1, stage: int = 0):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return GPTModel(transformer_config(lay, tp), get_gpt_layer_local_spec(qk_layernorm=lay.qk_norm),
+    return GPTModel(transformer_config(lay, tp, pp), get_gpt_layer_local_spec(qk_layernorm=lay.qk_norm),
                     vocab_size=lay.vocab, max_sequence_length=lay.max_positions, position_embedding_type="rope",
-                    rotary_base=lay.rope_theta, share_embeddings_and_output_weights=lay.tied)
+                    rotary_base=lay.rope_theta, share_embeddings_and_output_weights=lay.tied,
+                    pre_process=stage == 0, post_process=stage == pp - 1)

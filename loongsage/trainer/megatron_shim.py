@@ -1,7 +1,7 @@
 """Megatron-Core on a machine without CUDA: the few redirections it needs, applied only then.
 
 Megatron-Core's CPU-capable code paths (local layer spec, gloo collectives, FP32 optimizer) still
-assume CUDA in three ways; each line below redirects one of them and nothing else:
+assume CUDA in a few ways; each line below redirects one of them and nothing else:
 
 1. `torch.cuda.current_device()` names the device for buffers Megatron allocates itself (rotary
    tables, grad buffers, the global memory buffer): it answers "cpu".
@@ -10,7 +10,10 @@ assume CUDA in three ways; each line below redirects one of them and nothing els
    so tensor-parallel ranks still draw different dropout masks from distinct, reproducible seeds).
 3. Explicit `device="cuda"` in factory calls of a few modules (listed in PATCHED_MODULES): those modules see a `torch` whose factory
    functions build on the CPU when asked for CUDA. No other module, and not `torch` itself, changes.
-4. Grad clipping asserts that every grad is a `torch.cuda.FloatTensor` before scaling: the optimizer
+4. `Tensor.cuda()` (tied embeddings across pipeline stages are synchronised after `.cuda()`) leaves
+   the tensor where it is, and `torch.cuda.synchronize()` (pipeline p2p shape exchange) returns at
+   once: without CUDA both could only raise, so nothing that works changes.
+5. Grad clipping asserts that every grad is a `torch.cuda.FloatTensor` before scaling: the optimizer
    gets the same scaling (grad *= max_norm / (norm + 1e-6) when below 1) without the assertion; the
    norm itself is still Megatron's (`get_grad_norm_fp32`, reduced over the model-parallel groups).
 
@@ -32,6 +35,7 @@ PATCHED_MODULES = (  # modules with explicit device="cuda" allocations on the CP
     "megatron.core.distributed.param_and_grad_buffer",  # grad buffers
     "megatron.core.transformer.utils",  # default causal mask
     "megatron.core.pipeline_parallel.schedules",  # loss / tensor-shape buffers of the schedules
+    "megatron.core.pipeline_parallel.p2p_communication",  # shape and activation buffers between stages
 )
 _FACTORIES = ("tensor", "ones", "zeros", "empty", "full", "arange", "rand", "randn")
 _applied = False
@@ -79,6 +83,8 @@ def apply_cpu_shim() -> bool:
     if _applied:
         return True
     torch.cuda.current_device = lambda: "cpu"  # (1)
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # (4)
+    torch.cuda.synchronize = lambda device=None: None  # (4)
 
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -108,6 +114,6 @@ def apply_cpu_shim() -> bool:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     for name in PATCHED_MODULES:  # (3)
         importlib.import_module(name).torch = _CpuFactoryTorch()
-    importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = _clip_by_total_norm  # (4)
+    importlib.import_module("megatron.core.optimizer.optimizer").clip_grad_by_total_norm_fp32 = _clip_by_total_norm  # (5)
     _applied = True
     return True
