@@ -1,7 +1,7 @@
 """Sync (k = 0) vs async (k = 1, 2) on the same recipe and the same number of trained samples,
 side by side in one run. Engine and trainer get one torch thread each; the trainer is pinned to
-core 0, the engine and this process (the controller: HTTP to the engine, batching) to core 1
-(`--no-pin` lets the OS schedule them). The workload is one where generation and training take
+core 0, the engine, this process (the controller: HTTP to the engine, batching) and Ray's own
+processes to core 1 (`--no-pin` lets the OS schedule them). The workload is one where generation and training take
 similar time: each mode reports its per-step `generate_s` and `train_s`.
 
     python benchmarks/async_vs_sync.py [--steps 150] [recipe overrides ...]
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import tempfile
 
 from loongsage.config import load_config
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--no-pin", action="store_true", help="do not pin trainer and engine to their own cores")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    if not args.no_pin:  # before Ray starts: Ray's own processes share the engine's core, not the trainer's
+        os.sched_setaffinity(0, {1})
     out = {}
     for name, k in MODES.items():
         run_dir = tempfile.mkdtemp(prefix=f"bench-{name}-")

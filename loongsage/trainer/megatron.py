@@ -24,7 +24,9 @@ from transformers import AutoConfig
 from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.megatron_convert import Layout, build_gpt_model, hf_to_megatron, megatron_to_hf
+from loongsage.trainer.megatron_convert import (
+    Layout, build_gpt_model, hf_to_megatron, megatron_to_hf, transformer_engine_available,
+)
 from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy, write_hf_folder
 
 
@@ -65,7 +67,8 @@ class MegatronBackend:
         self.layout.check_parallel(self.tp, self.pp)
         hf = _hf_weights(self.model_path)
         self.meta = [(n, "float32", list(t.shape)) for n, t in hf.items() if not (self.layout.tied and n == "lm_head.weight")]
-        model = build_gpt_model(self.layout, self.tp, self.pp, self.stage).to(self.device)
+        self.te = not on_cpu and transformer_engine_available()  # TE layer spec on GPU, local spec otherwise
+        model = build_gpt_model(self.layout, self.tp, self.pp, self.stage, self.te).to(self.device)
         self._load_local(model, hf)
         self.model = DistributedDataParallel(
             model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -79,7 +82,7 @@ class MegatronBackend:
         self._entropy = False  # whether the current schedule computes entropies
 
     def _load_local(self, model, hf: dict[str, torch.Tensor]) -> None:
-        sd = hf_to_megatron(hf, self.layout, self.tp_rank, self.tp, self.stage, self.pp)
+        sd = hf_to_megatron(hf, self.layout, self.tp_rank, self.tp, self.stage, self.pp, self.te)
         missing, unexpected = model.load_state_dict(sd, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -182,7 +185,7 @@ class MegatronBackend:
                 dist.all_gather(parts, t, group=self.tp_group)
             for r, p in enumerate(parts):
                 shards[r][name] = p.cpu()
-        part = megatron_to_hf(shards, self.layout, self.stage, self.pp) if self.lead else None
+        part = megatron_to_hf(shards, self.layout, self.stage, self.pp, self.te) if self.lead else None
         if self.pp > 1:
             parts = [None] * self.world if self.rank == 0 else None
             dist.gather_object(part, parts, dst=0)

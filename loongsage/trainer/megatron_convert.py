@@ -8,6 +8,8 @@ Transformer Engine). Tensor-parallel layout, per decoder layer:
   [gate_r; up_r].
 - `linear_proj`, `linear_fc2` (row parallel): split along the input dimension.
 - embedding and output layer: split along the vocabulary; norms are replicated.
+With the Transformer Engine layer spec (GPU) the two pre-norms are fused into the following linear
+layer (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`); `te=True` uses those names.
 The round trip HF -> Megatron shards -> HF is exact (tested).
 """
 from __future__ import annotations
@@ -67,11 +69,13 @@ class Layout:
         return range(stage * per, (stage + 1) * per)
 
 
-def _layer_map(i: int, local: int, lay: Layout) -> dict[str, str]:
+def _layer_map(i: int, local: int, lay: Layout, te: bool = False) -> dict[str, str]:
     """Megatron name (layer `local` of its stage) -> HF name (layer `i`) for tensors mapping one to one."""
     m, h = f"decoder.layers.{local}.", f"model.layers.{i}."
-    out = {m + "input_layernorm.weight": h + "input_layernorm.weight",
-           m + "pre_mlp_layernorm.weight": h + "post_attention_layernorm.weight",
+    pre_attn = "self_attention.linear_qkv.layer_norm_weight" if te else "input_layernorm.weight"
+    pre_mlp = "mlp.linear_fc1.layer_norm_weight" if te else "pre_mlp_layernorm.weight"
+    out = {m + pre_attn: h + "input_layernorm.weight",
+           m + pre_mlp: h + "post_attention_layernorm.weight",
            m + "self_attention.linear_proj.weight": h + "self_attn.o_proj.weight",
            m + "mlp.linear_fc2.weight": h + "mlp.down_proj.weight"}
     if lay.qk_norm:
@@ -106,7 +110,7 @@ def _unqkv(qkv: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: int = 1,
-                   stage: int = 0, stages: int = 1) -> dict[str, torch.Tensor]:
+                   stage: int = 0, stages: int = 1, te: bool = False) -> dict[str, torch.Tensor]:
     """The Megatron state dict of tensor-parallel rank `rank` (of `tp`) in pipeline stage `stage`
     (of `stages`; decoder layers numbered locally) from a full HF state dict."""
     first, last = stage == 0, stage == stages - 1
@@ -121,7 +125,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: 
             out["output_layer.weight"] = _split("output_layer", hf["model.embed_tokens.weight"], rank, tp)
     for local, i in enumerate(lay.stage_layers(stage, stages)):
         h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-        for m_name, h_name in _layer_map(i, local, lay).items():
+        for m_name, h_name in _layer_map(i, local, lay, te).items():
             out[m_name] = _split(m_name, hf[h_name], rank, tp)
         qkv = _qkv(hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"], lay)
         out[m + "self_attention.linear_qkv.weight"] = qkv.chunk(tp, dim=0)[rank].clone()
@@ -134,7 +138,7 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: 
 
 
 def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout, stage: int = 0,
-                   stages: int = 1) -> dict[str, torch.Tensor]:
+                   stages: int = 1, te: bool = False) -> dict[str, torch.Tensor]:
     """The HF tensors held by pipeline stage `stage`, from the Megatron state dicts of all its
     tensor-parallel ranks in rank order (no `lm_head.weight` when the embeddings are tied)."""
     def cat(name: str) -> torch.Tensor:
@@ -152,7 +156,7 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout, stage: in
             out["lm_head.weight"] = cat("output_layer.weight")
     for local, i in enumerate(lay.stage_layers(stage, stages)):
         h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-        for m_name, h_name in _layer_map(i, local, lay).items():
+        for m_name, h_name in _layer_map(i, local, lay, te).items():
             out[h_name] = cat(m_name)
         q, k, v = _unqkv(cat(m + "self_attention.linear_qkv.weight"), lay)
         out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v})
@@ -184,11 +188,19 @@ def transformer_config(lay: Layout, tp: int, pp: int = 1, dtype: torch.dtype = t
         calculate_per_token_loss=True)  # losses arrive divided by the global denominator: no averaging
 
 
-def build_gpt_model(lay: Layout, tp: int, pp: int = 1, stage: int = 0):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_engine_available() -> bool:
+    import importlib.util
 
-    return GPTModel(transformer_config(lay, tp, pp), get_gpt_layer_local_spec(qk_layernorm=lay.qk_norm),
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def build_gpt_model(lay: Layout, tp: int, pp: int = 1, stage: int = 0, te: bool = False):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    spec = (specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=lay.qk_norm) if te
+            else specs.get_gpt_layer_local_spec(qk_layernorm=lay.qk_norm))
+    return GPTModel(transformer_config(lay, tp, pp), spec,
                     vocab_size=lay.vocab, max_sequence_length=lay.max_positions, position_embedding_type="rope",
                     rotary_base=lay.rope_theta, share_embeddings_and_output_weights=lay.tied,
                     pre_process=stage == 0, post_process=stage == pp - 1)
