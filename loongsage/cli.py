@@ -70,6 +70,19 @@ def _timeline(ns: argparse.Namespace) -> None:
     print(render_timeline(ns.run_dir, ns.out, ns.last_s or None))
 
 
+def _transfer_plan(ns: argparse.Namespace) -> None:
+    from loongsage.config import ConfigError, load_config
+    from loongsage.transfer.config import endpoints
+    from loongsage.transfer.topology import plan
+
+    cfg = load_config(*_split_config(ns, "recipes/arith_grpo.yaml"))
+    try:
+        sender, receivers = endpoints(cfg.transfer, cfg.trainer.device, cfg.engine.device, cfg.rollout.num_engines)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    print(plan(sender, receivers).format())
+
+
 def _split_config(ns: argparse.Namespace, default: str) -> tuple[str, list[str]]:
     """`CONFIG key=value ...` where CONFIG may be left out (then the first item is an override)."""
     if ns.config is not None and "=" in ns.config:
@@ -163,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--out", default=None, help="PNG path (default RUN_DIR/timeline.png)")
     tl.add_argument("--last-s", type=float, default=30.0, help="seconds at the end to show (0: all)")
     tl.set_defaults(fn=_timeline)
+
+    tr = sub.add_parser("transfer", help="TransferMesh tools", description="TransferMesh (weight sync) tools.")
+    trs = tr.add_subparsers(dest="transfer_cmd", required=True)
+    tp = trs.add_parser("plan", help="print the weight-sync route to every receiver for a configuration",
+                        description="Print the TransferMesh plan (transport per receiver) a run configuration implies; "
+                                    "host ids and transports can be overridden in its `transfer` section.")
+    tp.add_argument("config", nargs="?", default=None, help="recipe YAML (default recipes/arith_grpo.yaml)")
+    tp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_engines=3")
+    tp.set_defaults(fn=_transfer_plan)
 
     m = sub.add_parser("make-model", help="build a tiny real-architecture HF model + char tokenizer",
                        description="Build a seeded tiny model (Qwen3/Qwen2/Llama) and save it in HF format.")

@@ -21,6 +21,7 @@ from loongsage.models.config import ModelConfig
 from loongsage.rollout.config import RolloutConfig, SamplingConfig
 from loongsage.tasks.config import TaskConfig
 from loongsage.trainer.config import TrainerConfig
+from loongsage.transfer.config import TransferConfig
 
 
 class ConfigError(ValueError):
@@ -48,6 +49,7 @@ class RunConfig(BaseModel):
     bootstrap: BootstrapConfig = BootstrapConfig()
     ray: RayConfig = RayConfig()
     demo: DemoConfig = DemoConfig()
+    transfer: TransferConfig = TransferConfig()
 
     @model_validator(mode="after")
     def _fits_context(self) -> "RunConfig":

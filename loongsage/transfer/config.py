@@ -1,0 +1,29 @@
+"""The `transfer` section: overrides of what discovery reports (host ids, transports per endpoint),
+and the endpoints a run configuration implies (for `loongsage transfer plan`)."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loongsage.transfer.topology import TRANSPORTS, Endpoint
+
+
+class TransferConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hosts: dict[str, str] = Field(default_factory=dict, description="endpoint name -> host id, e.g. {engine-1: node-b}")
+    transports: dict[str, list[str]] = Field(default_factory=dict, description="endpoint name -> transports it speaks")
+
+
+def endpoints(transfer: TransferConfig, trainer_device: str, engine_device: str, num_engines: int,
+              default_host: str = "local") -> tuple[Endpoint, list[Endpoint]]:
+    """The sender (trainer rank 0) and the receivers (engines) with the configured overrides."""
+    names = ["trainer"] + [f"engine-{i}" for i in range(num_engines)]
+    unknown = sorted((set(transfer.hosts) | set(transfer.transports)) - set(names))
+    if unknown:
+        raise ValueError(f"transfer: unknown endpoints {unknown}; this run has {names}")
+
+    def make(name: str, device: str) -> Endpoint:
+        device = "cuda:0" if device == "cuda" else device
+        return Endpoint(name, transfer.hosts.get(name, default_host), device,
+                        tuple(transfer.transports.get(name, TRANSPORTS)))
+
+    return make("trainer", trainer_device), [make(f"engine-{i}", engine_device) for i in range(num_engines)]
