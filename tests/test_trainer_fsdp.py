@@ -21,6 +21,7 @@ from loongsage.trainer.batch import collate
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.group import TrainerGroup
 from loongsage.transfer.distributed_sync import DistributedWeightSync, plan_buckets
+from loongsage.transfer.shm_sync import ShmWeightSync
 
 
 def _batch(seed=0, n=6):
@@ -109,13 +110,15 @@ def test_sft_loss_falls_and_checkpoint_round_trips(ray_session, tiny_model, tmp_
         group.shutdown()
 
 
-def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tmp_path):
+@pytest.mark.parametrize("transport", ["collective", "shm"])
+def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tmp_path, transport):
     trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2), tiny_model)
     engines = EngineGroup(tiny_model, EngineConfig(max_running=16, context_length=128), RolloutConfig())
     try:
         async def go():
             router = Router(engines.urls)
-            sync = DistributedWeightSync(trainers, engines.urls, bucket_mb=0.5)  # several buckets
+            kind = DistributedWeightSync if transport == "collective" else ShmWeightSync
+            sync = kind(trainers, engines.urls, bucket_mb=0.5)  # several buckets
             assert len(sync.buckets) > 1
             await sync.setup()
             gaps = []

@@ -57,3 +57,11 @@ def test_transfer_plan_command_prints_a_two_host_plan(capsys):
     assert out[3].split()[:5] == ["->", "engine-2", "relay_shm", "via", "engine-1"]
     assert main(["transfer", "plan", "transfer.hosts={engine-7: b}"]) == 2
     assert "transfer: unknown endpoints ['engine-7']" in capsys.readouterr().err
+
+
+def test_mesh_refuses_routes_without_a_transport_by_name():
+    from loongsage.transfer.mesh import WeightMesh
+
+    routes = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "a", transports=("disk",))])
+    with pytest.raises(NotImplementedError, match=r"routes \['disk'\] \(for \['engine-0'\]\) are planned but have no"):
+        WeightMesh(routes, None, {"engine-0": "http://127.0.0.1:1"}, "float32", 64.0, "gloo")

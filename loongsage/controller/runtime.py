@@ -15,7 +15,9 @@ from loongsage.rollout.engine_group import EngineGroup
 from loongsage.rollout.router import Router
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.group import TrainerGroup
-from loongsage.transfer.distributed_sync import DistributedWeightSync
+from loongsage.transfer.config import TransferConfig
+from loongsage.transfer.mesh import WeightMesh, discover
+from loongsage.transfer.topology import plan
 
 
 @dataclass
@@ -23,14 +25,15 @@ class Runtime:
     trainers: TrainerGroup
     engines: EngineGroup
     router: Router
-    sync: DistributedWeightSync
+    sync: WeightMesh
     ray_started: bool
     reference: TrainerGroup | None = None  # frozen initial policy, for a KL penalty
 
 
     @classmethod
     async def start(cls, model_dir: str, trainer: TrainerConfig, engine: EngineConfig, rollout: RolloutConfig,
-                    ray_cfg: RayConfig, with_reference: bool = False) -> "Runtime":
+                    ray_cfg: RayConfig, with_reference: bool = False,
+                    transfer: TransferConfig | None = None) -> "Runtime":
         started = init_ray(ray_cfg)
         trainers = engines = reference = None
         try:
@@ -46,9 +49,10 @@ class Runtime:
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
-            sync = DistributedWeightSync(trainers, engines.urls, engine_dtype=engine.dtype,
-                                         bucket_mb=rollout.weight_bucket_mb,
-                                         backend="nccl" if trainer.device.startswith("cuda") else "gloo")
+            routes = plan(*discover(trainers, engines.actors, transfer or TransferConfig()))
+            sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)},
+                              engine.dtype, rollout.weight_bucket_mb,
+                              "nccl" if trainer.device.startswith("cuda") else "gloo")
             await sync.setup()
         except BaseException:
             for group in (engines, trainers, reference):

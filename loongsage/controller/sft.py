@@ -66,7 +66,7 @@ async def sft_to(cfg, init: Path, out: Path, console: Console) -> dict:
     rows, dev = train_rows[: -sft.dev_size], train_rows[-sft.dev_size:]
     trainer = TrainerConfig(**{**cfg.trainer.model_dump(), "lr": sft.lr, "betas": sft.betas,
                                "warmup_steps": sft.warmup_steps, "lr_schedule": "constant", "bf16": False})
-    rt = await Runtime.start(str(init), trainer, cfg.engine, cfg.rollout, cfg.ray)
+    rt = await Runtime.start(str(init), trainer, cfg.engine, cfg.rollout, cfg.ray, transfer=cfg.transfer)
     try:
         tok = AutoTokenizer.from_pretrained(init)
         result = await run_sft(rt, tok, rows, dev, get_task(cfg.task.name), sft, cfg.sampling.max_new_tokens,

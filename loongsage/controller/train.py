@@ -55,7 +55,7 @@ async def train(cfg: RunConfig) -> dict:
     eval_rows = eval_rows[: cfg.train.eval_size or len(eval_rows)]
     spec, tok = get_task(cfg.task.name), AutoTokenizer.from_pretrained(base)
     rt = await Runtime.start(str(base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
-                             with_reference=cfg.algo.loss.kl_coef > 0)
+                             with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer)
     metrics = MetricsWriter(run_dir)
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if cfg.train.controller_cpu_affinity and cores is not None:  # after start-up: Ray's processes keep all cores

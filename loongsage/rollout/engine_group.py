@@ -14,6 +14,7 @@ class EngineActor:
         from loongsage.rollout.launcher import launch_engine, launch_sglang
 
         ecfg = EngineConfig.model_validate(cfg)
+        self.device = "cuda:0" if kind == "sglang" else ecfg.device
         if kind == "sglang":
             self.proc = launch_sglang(model_path, ecfg.sglang_args_for())
         else:
@@ -21,6 +22,10 @@ class EngineActor:
 
     def url(self) -> str:
         return self.proc.url
+
+    def where(self) -> tuple[str, str]:
+        """(host id, device) for the TransferMesh planner."""
+        return ray.get_runtime_context().get_node_id(), self.device
 
     def log_tail(self) -> str:
         return self.proc.log_tail()

@@ -15,6 +15,7 @@ from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
+from loongsage.transfer.tensor_handles import serialize_payload
 
 
 class TrainerRank:
@@ -43,6 +44,13 @@ class TrainerRank:
         self.weight_group = None
         self._sender: threading.Thread | None = None
         self._send_error: BaseException | None = None
+        self._shm: list[tuple[torch.Tensor, str]] = []  # per bucket: reused shared buffer, its handle
+
+    def where(self) -> tuple[str, str]:
+        """(host id, device) for the TransferMesh planner."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id(), str(self.backend.device)
 
     def ready(self) -> int:
         return self.backend.version
@@ -87,6 +95,33 @@ class TrainerRank:
         self._sender = threading.Thread(target=self._send, args=(flats,), name="weight-sender", daemon=True)
         self._sender.start()
         return float(sum(f.numel() * f.element_size() for f in flats))
+
+    def pack_shared(self, buckets: list[list[str]], dtype: str | None) -> tuple[list[str], float]:
+        """Rank 0 copies the full weights into one shared buffer per bucket (allocated once, reused
+        every version: fresh shared memory is several times slower than a copy into a mapped one)
+        and returns a handle per bucket (`load_format="flattened_bucket"`): a /dev/shm file name, so
+        only the handle crosses HTTP."""
+        sd = self.backend.full_state_dict()
+        if self.rank != 0:
+            return [], 0.0
+        cast = dtype_from_name(dtype) if dtype else None
+        if len(self._shm) != len(buckets):
+            self._shm = []
+            for names in buckets:
+                numel = sum(sd[n].numel() for n in names)
+                buf = torch.empty(numel, dtype=cast or sd[names[0]].dtype, device=sd[names[0]].device).share_memory_()
+                meta, start = [], 0
+                for n in names:
+                    meta.append({"name": n, "shape": list(sd[n].shape), "start": start, "end": start + sd[n].numel()})
+                    start += sd[n].numel()
+                self._shm.append((buf, serialize_payload({"flattened_tensor": buf, "metadata": meta})))
+        for (buf, _), names in zip(self._shm, buckets):
+            start = 0
+            for n in names:  # copy (and cast) each tensor into its slice: no temporary
+                numel = sd[n].numel()
+                buf[start: start + numel].copy_(sd[n].reshape(-1))
+                start += numel
+        return [h for _, h in self._shm], float(sum(b.numel() * b.element_size() for b, _ in self._shm))
 
     def _send(self, flats: list[torch.Tensor]) -> None:
         try:

@@ -12,6 +12,7 @@ import time
 from loongsage.rollout.client import EngineClient
 from loongsage.rollout.launcher import free_port
 from loongsage.trainer.group import TrainerGroup
+from loongsage.transfer.transport import WeightTransport
 
 
 def plan_buckets(meta: list[tuple[str, str, list[int]]], bucket_bytes: int, elem_size: int) -> list[list[int]]:
@@ -31,7 +32,7 @@ def plan_buckets(meta: list[tuple[str, str, list[int]]], bucket_bytes: int, elem
     return buckets
 
 
-class DistributedWeightSync:
+class DistributedWeightSync(WeightTransport):
     def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str = "float32",
                  bucket_mb: float = 64.0, backend: str = "gloo", group_name: str = "loongsage_weights"):
         self.trainers = trainers
@@ -67,16 +68,4 @@ class DistributedWeightSync:
                 names=self.bucket_names[k], dtypes=[self.dtype] * len(bucket),
                 shapes=[self.meta[i][2] for i in bucket], weight_version=version if last else None,
                 group_name=self.group_name, flattened=True) for c in self.clients])
-        sent = (await sending)[0]
-        infos = await asyncio.gather(*[c.model_info() for c in self.clients])
-        bad = [(c.base_url, i["weight_version"]) for c, i in zip(self.clients, infos) if i["weight_version"] != str(version)]
-        if bad:
-            raise RuntimeError(f"weight sync to version {version} not confirmed by {bad}")
-        return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": sent}
-
-    async def push(self, version: int) -> dict[str, float]:
-        return await self.deliver(version, self.begin(version))
-
-    async def aclose(self) -> None:
-        for c in self.clients:
-            await c.aclose()
+        return await self.finish(version, t0, (await sending)[0])

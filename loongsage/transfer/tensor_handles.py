@@ -65,6 +65,11 @@ def unflatten_bucket(payload) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"flattened_bucket: bad metadata ({exc})") from None
 
 
+def serialize_payload(payload) -> str:
+    """A handle for an already shared payload (e.g. a reused flattened bucket): no copy is made."""
+    return _dump(payload)
+
+
 def _shared(t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "cpu" and not t.is_shared():
         t = t.contiguous().share_memory_()

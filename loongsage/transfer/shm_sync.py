@@ -1,0 +1,42 @@
+"""Weights to same-host engines through shared memory: trainer rank 0 copies each bucket into a
+/dev/shm buffer it allocated once, and every engine loads the bucket from the handle through
+`/update_weights_from_tensor` (flattened_bucket). Nothing but the handle crosses HTTP.
+
+Same interface as `DistributedWeightSync` (begin / deliver / push): `begin` submits the copy to the
+trainer ranks now, so it is ordered before their next train step; `deliver` feeds the engines and
+confirms the version. The next version is packed only after this one was confirmed, so a buffer is
+never rewritten while an engine reads it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from loongsage.rollout.client import EngineClient
+from loongsage.trainer.group import TrainerGroup
+from loongsage.transfer.distributed_sync import plan_buckets
+from loongsage.transfer.transport import WeightTransport
+
+
+class ShmWeightSync(WeightTransport):
+    def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str = "float32",
+                 bucket_mb: float = 64.0):
+        self.trainers = trainers
+        self.clients = [EngineClient(u) for u in engine_urls]
+        self.dtype = engine_dtype
+        meta = trainers.weight_meta()
+        elem = 2 if engine_dtype in ("bfloat16", "float16") else 4
+        self.buckets = plan_buckets(meta, int(bucket_mb * 2**20), elem)
+        self.bucket_names = [[meta[i][0] for i in b] for b in self.buckets]
+
+    def begin(self, version: int) -> tuple[list, float]:
+        return [r.pack_shared.remote(self.bucket_names, self.dtype) for r in self.trainers.ranks], time.perf_counter()
+
+    async def deliver(self, version: int, begun: tuple[list, float]) -> dict[str, float]:
+        refs, t0 = begun
+        handles, sent = (await asyncio.gather(*refs))[0]
+        for k, handle in enumerate(handles):
+            last = k == len(handles) - 1
+            await asyncio.gather(*[c.update_weights_from_tensor(handle, weight_version=version if last else None,
+                                                                load_format="flattened_bucket") for c in self.clients])
+        return await self.finish(version, t0, sent)
