@@ -1,4 +1,5 @@
-"""Small helpers shared by tests: a synchronous view of the async client, and HF reference logprobs."""
+"""Small helpers shared by tests: a synchronous view of the async client, HF reference logprobs, and
+a seeded policy batch for trainer tests."""
 from __future__ import annotations
 
 import asyncio
@@ -8,6 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from loongsage.rollout.client import EngineClient
+from loongsage.sample import Sample
+from loongsage.trainer.batch import TrainBatch, collate
 
 
 def run(coro):
@@ -37,3 +40,15 @@ def reference_logprobs(model_dir: str, ids: list[int]) -> torch.Tensor:
     model = hf_model(model_dir)
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def policy_batch(seed: int = 0, n: int = 6) -> TrainBatch:
+    """n samples of growing prompt/response lengths, behaviour logprobs near log(1/100), advantages -1/0/1."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        p = torch.randint(10, 100, (3 + i,), generator=g).tolist()
+        r = torch.randint(10, 100, (2 + 2 * i,), generator=g).tolist()
+        samples.append(Sample(p, r, [1] * len(r), torch.randn(len(r), generator=g).mul(0.1).sub(4.6).tolist(),
+                              [0] * len(r), advantage=float(i % 3 - 1)))
+    return collate(samples, 0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import call
+from helpers import call, policy_batch
 from loongsage.algo.losses import LossConfig
 from loongsage.algo.mismatch import train_inference_gap
 from loongsage.engine.config import EngineConfig
@@ -24,15 +24,6 @@ from loongsage.transfer.distributed_sync import DistributedWeightSync, plan_buck
 from loongsage.transfer.shm_sync import ShmWeightSync
 
 
-def _batch(seed=0, n=6):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(n):
-        p = torch.randint(10, 100, (3 + i,), generator=g).tolist()
-        r = torch.randint(10, 100, (2 + 2 * i,), generator=g).tolist()
-        samples.append(Sample(p, r, [1] * len(r), torch.randn(len(r), generator=g).mul(0.1).sub(4.6).tolist(),
-                              [0] * len(r), advantage=float(i % 3 - 1)))
-    return collate(samples, 0)
 
 
 def _policy_step(group: TrainerGroup, batch, loss_cfg):
@@ -50,13 +41,13 @@ def test_two_rank_fsdp_step_equals_one_rank_step(ray_session, tiny_model, tmp_pa
     for world in (1, 2):
         group = TrainerGroup(TrainerConfig(world_size=world, **cfg), tiny_model)
         try:
-            lp, m = _policy_step(group, _batch(), loss_cfg)
+            lp, m = _policy_step(group, policy_batch(), loss_cfg)
             asyncio.run(group.save(str(tmp_path / f"w{world}")))
             results[world] = (lp, m, load_file(str(tmp_path / f"w{world}" / "model.safetensors")))
         finally:
             group.shutdown()
     (lp1, m1, w1), (lp2, m2, w2) = results[1], results[2]
-    mask = _batch().loss_mask
+    mask = policy_batch().loss_mask
     assert torch.allclose(lp1 * mask, lp2 * mask, atol=1e-5)  # outside the mask: padding, undefined
     assert m1["loss/policy"] == pytest.approx(m2["loss/policy"], abs=1e-5)
     assert m1["train/grad_norm"] == pytest.approx(m2["train/grad_norm"], rel=1e-4)
@@ -75,7 +66,7 @@ def test_proximal_from_the_update_forward_equals_a_recompute_pass(ray_session, t
     for mode in ("recompute", "fused"):
         group = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2, micro_batch_size=2), tiny_model)
         try:
-            batch = _batch()
+            batch = policy_batch()
             if mode == "recompute":
                 lp, m = _policy_step(group, batch, loss_cfg)
                 m["gap"] = train_inference_gap(batch.behavior_logprobs, lp, batch.loss_mask)
@@ -96,7 +87,7 @@ def test_proximal_from_the_update_forward_equals_a_recompute_pass(ray_session, t
 def test_sft_loss_falls_and_checkpoint_round_trips(ray_session, tiny_model, tmp_path):
     group = TrainerGroup(TrainerConfig(world_size=1, lr=3e-3), tiny_model)
     try:
-        batch = _batch(1)
+        batch = policy_batch(1)
         losses = [asyncio.run(group.train_step(batch, "sft", None))["loss/sft"] for _ in range(15)]
         assert losses[-1] < 0.7 * losses[0]
         asyncio.run(group.save(str(tmp_path / "ck")))
@@ -160,7 +151,7 @@ def test_bucket_plan_respects_size_and_order():
 
 
 def test_bf16_mixed_precision_trains_close_to_fp32(ray_session, tiny_model):
-    batch = _batch(2)
+    batch = policy_batch(2)
     out = {}
     for bf16 in (False, True):
         group = TrainerGroup(TrainerConfig(world_size=1, lr=3e-3, bf16=bf16), tiny_model)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import policy_batch
 from loongsage.algo.losses import LossConfig
 from loongsage.models.factory import TinyModelSpec, build_tiny_model
 from loongsage.rollout.client import EngineClient
@@ -67,15 +68,6 @@ def test_unsupported_model_and_bad_tensor_parallel_size_are_named(tmp_path):
         TrainerConfig(tensor_parallel_size=2, world_size=2)
 
 
-def _batch(seed: int, n: int = 6):
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for i in range(n):
-        p = torch.randint(10, 100, (3 + i,), generator=g).tolist()
-        r = torch.randint(10, 100, (2 + 2 * i,), generator=g).tolist()
-        samples.append(Sample(p, r, [1] * len(r), torch.randn(len(r), generator=g).mul(0.1).sub(4.6).tolist(),
-                              [0] * len(r), advantage=float(i % 3 - 1)))
-    return collate(samples, 0)
 
 
 def _engine_batch(url: str):
@@ -97,10 +89,10 @@ def _run(group: TrainerGroup, steps: int, engine_batch):
     """Logprobs of a fixed batch and of engine samples, then `steps` policy steps on fresh batches,
     then logprobs of the fixed batch again."""
     async def go():
-        probe = _batch(100)
+        probe = policy_batch(100)
         before, _ = await group.compute_logprobs(probe)
         engine_lp, _ = await group.compute_logprobs(engine_batch)
-        metrics = [await group.train_step(_batch(s), "policy", LossConfig(is_mode="tis")) for s in range(steps)]
+        metrics = [await group.train_step(policy_batch(s), "policy", LossConfig(is_mode="tis")) for s in range(steps)]
         after, _ = await group.compute_logprobs(probe)
         return probe.loss_mask, before, metrics, after, ((engine_lp - engine_batch.behavior_logprobs).abs()
                                                           * engine_batch.loss_mask).max().item()
