@@ -15,7 +15,7 @@ from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
-from loongsage.transfer.tensor_handles import serialize_payload
+from loongsage.transfer.tensor_handles import release_shared, serialize_payload, shared_buffer
 
 
 class TrainerRank:
@@ -106,10 +106,12 @@ class TrainerRank:
             return [], 0.0
         cast = dtype_from_name(dtype) if dtype else None
         if len(self._shm) != len(buckets):
+            for buf, _ in self._shm:
+                release_shared(buf)
             self._shm = []
             for names in buckets:
                 numel = sum(sd[n].numel() for n in names)
-                buf = torch.empty(numel, dtype=cast or sd[names[0]].dtype, device=sd[names[0]].device).share_memory_()
+                buf = shared_buffer(numel, cast or sd[names[0]].dtype)
                 meta, start = [], 0
                 for n in names:
                     meta.append({"name": n, "shape": list(sd[n].shape), "start": start, "end": start + sd[n].numel()})
@@ -148,5 +150,8 @@ class TrainerRank:
         return self.backend.version
 
     def shutdown(self) -> None:
+        for buf, _ in self._shm:
+            release_shared(buf)
+        self._shm = []
         if dist.is_initialized():
             dist.destroy_process_group()

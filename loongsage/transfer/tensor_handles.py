@@ -65,6 +65,24 @@ def unflatten_bucket(payload) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"flattened_bucket: bad metadata ({exc})") from None
 
 
+def shared_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU buffer in a named /dev/shm file (file_system strategy): any process can map it by name."""
+    tmp.set_sharing_strategy("file_system")
+    return torch.empty(numel, dtype=dtype).share_memory_()
+
+
+def release_shared(t: torch.Tensor) -> None:
+    """Removes a shared buffer's /dev/shm file (processes that mapped it keep their mapping); without
+    this, files of processes killed at shutdown stay behind."""
+    import os
+
+    name = t.untyped_storage()._share_filename_cpu_()[1].decode()
+    try:
+        os.unlink("/dev/shm" + name)
+    except OSError:
+        pass
+
+
 def serialize_payload(payload) -> str:
     """A handle for an already shared payload (e.g. a reused flattened bucket): no copy is made."""
     return _dump(payload)
