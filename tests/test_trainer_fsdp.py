@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
@@ -20,8 +21,10 @@ from loongsage.sample import Sample
 from loongsage.trainer.batch import collate
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.group import TrainerGroup
-from loongsage.transfer.distributed_sync import DistributedWeightSync, plan_buckets
-from loongsage.transfer.shm_sync import ShmWeightSync
+from loongsage.transfer.distributed_sync import plan_buckets
+from loongsage.transfer.mesh import WeightMesh
+from loongsage.transfer.tensor_handles import serialize_named_tensors
+from loongsage.transfer.topology import Endpoint, plan
 
 
 
@@ -108,9 +111,11 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
     try:
         async def go():
             router = Router(engines.urls)
-            kind = DistributedWeightSync if transport == "collective" else ShmWeightSync
-            sync = kind(trainers, engines.urls, bucket_mb=0.5)  # several buckets
-            assert len(sync.buckets) > 1
+            # the engine's host decides the route: same host -> shm, another host -> collective
+            routes = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "a" if transport == "shm" else "b")])
+            sync = WeightMesh(routes, trainers, {"engine-0": engines.urls[0]}, "float32", bucket_mb=0.5,
+                              backend="gloo", verify_every=1)  # several buckets, every version checksummed
+            assert len(sync.buckets) > 1 and list(sync.parts) == [transport]
             await sync.setup()
             gaps = []
             for version in (1, 2):
@@ -128,6 +133,13 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
             await trainers.save(str(tmp_path / "exported"))
             synced = await router.clients[0].generate_batch([[20, 21], [30, 31, 32]], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
             info = await router.clients[0].model_info()
+            # one weight changed behind the mesh's back, same version string: verification must catch it
+            name = sync.names[0]
+            expected = ray.get(trainers.rank0.weights_checksum.remote(sync.names, "float32"))
+            bad = trainers.full_state_dict_on_rank0()[name] + 1e-3
+            await router.clients[0].update_weights_from_tensor(serialize_named_tensors({name: bad}), weight_version=2)
+            with pytest.raises(RuntimeError, match="weight sync to version 2: checksum mismatch"):
+                await sync._verify(2, expected)
             await router.aclose()
             await sync.aclose()
             return gaps, synced, info

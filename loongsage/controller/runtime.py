@@ -49,10 +49,11 @@ class Runtime:
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
-            routes = plan(*discover(trainers, engines.actors, transfer or TransferConfig()))
+            transfer = transfer or TransferConfig()
+            routes = plan(*discover(trainers, engines.actors, transfer))
             sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)},
                               engine.dtype, rollout.weight_bucket_mb,
-                              "nccl" if trainer.device.startswith("cuda") else "gloo")
+                              "nccl" if trainer.device.startswith("cuda") else "gloo", transfer.verify_every)
             await sync.setup()
         except BaseException:
             for group in (engines, trainers, reference):

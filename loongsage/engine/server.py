@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
+from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
 from loongsage.transfer.tensor_handles import deserialize_named_tensors, unflatten_bucket
 
@@ -262,6 +263,15 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
             "max_running_requests": core.max_running, "paused": core.paused,
             "memory_released": core.memory_released, "eos_token_ids": sorted(core.eos_ids),
         }
+
+    @app.get("/weights_checksum")
+    async def checksum():
+        """LoongSage extension (TransferMesh verification): the exact checksum of the served weights."""
+        def compute(runner):
+            params = runner.named_parameters()
+            return core.weight_version, weights_checksum(params, list(params))
+        version, value = await on_core(lambda: compute(core.runner))
+        return {"weight_version": version, "checksum": str(value)}
 
     @app.get("/get_server_info")
     async def server_info():

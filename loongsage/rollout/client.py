@@ -102,6 +102,10 @@ class EngineClient:
     async def model_info(self) -> dict:
         return await self._request("GET", "/model_info")
 
+    async def weights_checksum(self) -> dict:
+        """LoongSage extension: {"weight_version", "checksum"} of the served weights."""
+        return await self._request("GET", "/weights_checksum")
+
     async def server_info(self) -> dict:
         return await self._request("GET", "/get_server_info")
 

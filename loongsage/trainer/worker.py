@@ -15,6 +15,7 @@ from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
+from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.tensor_handles import release_shared, serialize_payload, shared_buffer
 
 
@@ -44,7 +45,7 @@ class TrainerRank:
         self.weight_group = None
         self._sender: threading.Thread | None = None
         self._send_error: BaseException | None = None
-        self._shm: list[tuple[torch.Tensor, str]] = []  # per bucket: reused shared buffer, its handle
+        self._shm: list[tuple[torch.Tensor, list[dict]]] = []  # per bucket: reused shared buffer, its layout
 
     def where(self) -> tuple[str, str]:
         """(host id, device) for the TransferMesh planner."""
@@ -96,11 +97,19 @@ class TrainerRank:
         self._sender.start()
         return float(sum(f.numel() * f.element_size() for f in flats))
 
-    def pack_shared(self, buckets: list[list[str]], dtype: str | None) -> tuple[list[str], float]:
+    def weights_checksum(self, names: list[str], dtype: str | None) -> int | None:
+        """The exported weights' checksum in the receivers' dtype (rank 0; a collective on all ranks)."""
+        sd = self.backend.full_state_dict()
+        if self.rank != 0:
+            return None
+        return weights_checksum(sd, names, dtype_from_name(dtype) if dtype else None)
+
+    def pack_shared(self, buckets: list[list[str]], dtype: str | None, receivers: int = 1) -> tuple[list[list[str]], float]:
         """Rank 0 copies the full weights into one shared buffer per bucket (allocated once, reused
         every version: fresh shared memory is several times slower than a copy into a mapped one)
-        and returns a handle per bucket (`load_format="flattened_bucket"`): a /dev/shm file name, so
-        only the handle crosses HTTP."""
+        and returns, per bucket, one handle per receiver (`load_format="flattened_bucket"`): a
+        /dev/shm file name, so only the handle crosses HTTP. One handle per receiver, fresh each
+        version: pickling a shared tensor takes a reference that the receiver's unpickling returns."""
         sd = self.backend.full_state_dict()
         if self.rank != 0:
             return [], 0.0
@@ -110,20 +119,21 @@ class TrainerRank:
                 release_shared(buf)
             self._shm = []
             for names in buckets:
-                numel = sum(sd[n].numel() for n in names)
-                buf = shared_buffer(numel, cast or sd[names[0]].dtype)
+                buf = shared_buffer(sum(sd[n].numel() for n in names), cast or sd[names[0]].dtype)
                 meta, start = [], 0
                 for n in names:
                     meta.append({"name": n, "shape": list(sd[n].shape), "start": start, "end": start + sd[n].numel()})
                     start += sd[n].numel()
-                self._shm.append((buf, serialize_payload({"flattened_tensor": buf, "metadata": meta})))
+                self._shm.append((buf, meta))
         for (buf, _), names in zip(self._shm, buckets):
             start = 0
             for n in names:  # copy (and cast) each tensor into its slice: no temporary
                 numel = sd[n].numel()
                 buf[start: start + numel].copy_(sd[n].reshape(-1))
                 start += numel
-        return [h for _, h in self._shm], float(sum(b.numel() * b.element_size() for b, _ in self._shm))
+        handles = [[serialize_payload({"flattened_tensor": buf, "metadata": meta}) for _ in range(receivers)]
+                   for buf, meta in self._shm]
+        return handles, float(sum(b.numel() * b.element_size() for b, _ in self._shm))
 
     def _send(self, flats: list[torch.Tensor]) -> None:
         try:

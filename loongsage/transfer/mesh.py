@@ -28,7 +28,7 @@ def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoin
 
 class WeightMesh:
     def __init__(self, routes: Plan, trainers, urls: dict[str, str], engine_dtype: str, bucket_mb: float,
-                 backend: str):
+                 backend: str, verify_every: int = 0):
         groups = routes.by_transport()
         todo = sorted(set(groups) - set(EXECUTED))
         if todo:
@@ -42,21 +42,38 @@ class WeightMesh:
             self.parts["collective"] = DistributedWeightSync(trainers, [urls[n] for n in groups["collective"]],
                                                              engine_dtype, bucket_mb, backend)
         self.buckets = next(iter(self.parts.values())).buckets
+        self.trainers, self.dtype, self.verify_every = trainers, engine_dtype, verify_every
+        first = next(iter(self.parts.values()))
+        self.names = [n for names in first.bucket_names for n in names]  # every exported tensor
 
     async def setup(self) -> None:
         await asyncio.gather(*[p.setup() for p in self.parts.values()])
 
     def begin(self, version: int) -> dict:
-        return {name: part.begin(version) for name, part in self.parts.items()}
+        begun = {name: part.begin(version) for name, part in self.parts.items()}
+        if self.verify_every and version % self.verify_every == 0:  # submitted now: before the next train step
+            begun["checksum"] = [r.weights_checksum.remote(self.names, self.dtype) for r in self.trainers.ranks]
+        return begun
 
     async def deliver(self, version: int, begun: dict) -> dict[str, float]:
         names = list(self.parts)
         results = await asyncio.gather(*[self.parts[n].deliver(version, begun[n]) for n in names])
+        if "checksum" in begun:
+            await self._verify(version, (await asyncio.gather(*begun["checksum"]))[0])
         out = {"time/weight_sync_s": max(r["time/weight_sync_s"] for r in results),
                "weight_sync/bytes": max(r["weight_sync/bytes"] for r in results)}
         for n, r in zip(names, results):
             out[f"time/weight_sync_{n}_s"] = r["time/weight_sync_s"]
         return out
+
+    async def _verify(self, version: int, expected: int) -> None:
+        """Every receiver's weights must be bit-identical to the trainer's export (in its dtype)."""
+        clients = [c for p in self.parts.values() for c in p.clients]
+        reports = await asyncio.gather(*[c.weights_checksum() for c in clients])
+        bad = [(c.base_url, r["weight_version"]) for c, r in zip(clients, reports)
+               if r["checksum"] != str(expected) or r["weight_version"] != str(version)]
+        if bad:
+            raise RuntimeError(f"weight sync to version {version}: checksum mismatch on {bad}")
 
     async def push(self, version: int) -> dict[str, float]:
         return await self.deliver(version, self.begin(version))

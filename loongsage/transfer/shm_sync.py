@@ -30,13 +30,15 @@ class ShmWeightSync(WeightTransport):
         self.bucket_names = [[meta[i][0] for i in b] for b in self.buckets]
 
     def begin(self, version: int) -> tuple[list, float]:
-        return [r.pack_shared.remote(self.bucket_names, self.dtype) for r in self.trainers.ranks], time.perf_counter()
+        return ([r.pack_shared.remote(self.bucket_names, self.dtype, len(self.clients)) for r in self.trainers.ranks],
+                time.perf_counter())
 
     async def deliver(self, version: int, begun: tuple[list, float]) -> dict[str, float]:
         refs, t0 = begun
         handles, sent = (await asyncio.gather(*refs))[0]
-        for k, handle in enumerate(handles):
+        for k, per_receiver in enumerate(handles):
             last = k == len(handles) - 1
-            await asyncio.gather(*[c.update_weights_from_tensor(handle, weight_version=version if last else None,
-                                                                load_format="flattened_bucket") for c in self.clients])
+            await asyncio.gather(*[c.update_weights_from_tensor(h, weight_version=version if last else None,
+                                                                load_format="flattened_bucket")
+                                   for c, h in zip(self.clients, per_receiver)])
         return await self.finish(version, t0, sent)
