@@ -53,7 +53,8 @@ class Runtime:
             routes = plan(*discover(trainers, engines.actors, transfer))
             sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)},
                               engine.dtype, rollout.weight_bucket_mb,
-                              "nccl" if trainer.device.startswith("cuda") else "gloo", transfer.verify_every)
+                              "nccl" if trainer.device.startswith("cuda") else "gloo",
+                              transfer.verify_every if rollout.engine == "embedded" else 0)  # SGLang: no checksum route
             await sync.setup()
         except BaseException:
             for group in (engines, trainers, reference):

@@ -12,7 +12,8 @@ class TransferConfig(BaseModel):
     hosts: dict[str, str] = Field(default_factory=dict, description="endpoint name -> host id, e.g. {engine-1: node-b}")
     transports: dict[str, list[str]] = Field(default_factory=dict, description="endpoint name -> transports it speaks")
     verify_every: int = Field(10, ge=0, description="every N-th version, receivers' weight checksums must equal the "
-                                                     "trainer's (one more pass over the weights on both sides); 0: never")
+                                                     "trainer's (one more pass over the weights on both sides); 0: never. Embedded "
+                                                     "engines only: SGLang has no checksum route")
 
 
 def endpoints(transfer: TransferConfig, trainer_device: str, engine_device: str, num_engines: int,
