@@ -14,9 +14,9 @@ import torch.distributed as dist
 from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
 from loongsage.transfer.checksum import weights_checksum
-from loongsage.transfer.tensor_handles import release_shared, serialize_payload, shared_buffer
+from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
+from loongsage.transfer.tensor_handles import flat_layout, release_shared, serialize_payload, shared_buffer
 
 
 class TrainerRank:
@@ -120,17 +120,10 @@ class TrainerRank:
             self._shm = []
             for names in buckets:
                 buf = shared_buffer(sum(sd[n].numel() for n in names), cast or sd[names[0]].dtype)
-                meta, start = [], 0
-                for n in names:
-                    meta.append({"name": n, "shape": list(sd[n].shape), "start": start, "end": start + sd[n].numel()})
-                    start += sd[n].numel()
-                self._shm.append((buf, meta))
-        for (buf, _), names in zip(self._shm, buckets):
-            start = 0
-            for n in names:  # copy (and cast) each tensor into its slice: no temporary
-                numel = sd[n].numel()
-                buf[start: start + numel].copy_(sd[n].reshape(-1))
-                start += numel
+                self._shm.append((buf, flat_layout([(n, sd[n]) for n in names])))
+        for buf, meta in self._shm:
+            for m in meta:  # copy (and cast) each tensor into its slice: no temporary
+                buf[m["start"]: m["end"]].copy_(sd[m["name"]].reshape(-1))
         handles = [[serialize_payload({"flattened_tensor": buf, "metadata": meta}) for _ in range(receivers)]
                    for buf, meta in self._shm]
         return handles, float(sum(b.numel() * b.element_size() for b, _ in self._shm))

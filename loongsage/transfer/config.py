@@ -15,6 +15,11 @@ class TransferConfig(BaseModel):
                                                      "trainer's (one more pass over the weights on both sides); 0: never. Embedded "
                                                      "engines only: SGLang has no checksum route")
 
+    def endpoint(self, name: str, host: str, device: str) -> Endpoint:
+        """An endpoint as discovered (or assumed), with this section's overrides applied."""
+        return Endpoint(name, self.hosts.get(name, host), "cuda:0" if device == "cuda" else device,
+                        tuple(self.transports.get(name, TRANSPORTS)))
+
 
 def endpoints(transfer: TransferConfig, trainer_device: str, engine_device: str, num_engines: int,
               default_host: str = "local") -> tuple[Endpoint, list[Endpoint]]:
@@ -24,9 +29,5 @@ def endpoints(transfer: TransferConfig, trainer_device: str, engine_device: str,
     if unknown:
         raise ValueError(f"transfer: unknown endpoints {unknown}; this run has {names}")
 
-    def make(name: str, device: str) -> Endpoint:
-        device = "cuda:0" if device == "cuda" else device
-        return Endpoint(name, transfer.hosts.get(name, default_host), device,
-                        tuple(transfer.transports.get(name, TRANSPORTS)))
-
-    return make("trainer", trainer_device), [make(f"engine-{i}", engine_device) for i in range(num_engines)]
+    return (transfer.endpoint("trainer", default_host, trainer_device),
+            [transfer.endpoint(f"engine-{i}", default_host, engine_device) for i in range(num_engines)])

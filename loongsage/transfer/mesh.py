@@ -10,7 +10,7 @@ import ray
 from loongsage.transfer.config import TransferConfig
 from loongsage.transfer.distributed_sync import DistributedWeightSync
 from loongsage.transfer.shm_sync import ShmWeightSync
-from loongsage.transfer.topology import TRANSPORTS, Endpoint, Plan
+from loongsage.transfer.topology import Endpoint, Plan
 
 EXECUTED = ("shm", "collective")  # routes with a transport today; the rest are planned only
 
@@ -19,11 +19,8 @@ def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoin
     """Host ids (Ray node ids) and devices reported by trainer rank 0 and each engine actor, with
     the `transfer` section's overrides applied."""
     (t_host, t_dev), *engines = ray.get([trainers.rank0.where.remote()] + [a.where.remote() for a in engine_actors])
-
-    def make(name: str, host: str, device: str) -> Endpoint:
-        return Endpoint(name, transfer.hosts.get(name, host), device, tuple(transfer.transports.get(name, TRANSPORTS)))
-
-    return make("trainer", t_host, t_dev), [make(f"engine-{i}", h, d) for i, (h, d) in enumerate(engines)]
+    return (transfer.endpoint("trainer", t_host, t_dev),
+            [transfer.endpoint(f"engine-{i}", h, d) for i, (h, d) in enumerate(engines)])
 
 
 class WeightMesh:
@@ -41,10 +38,10 @@ class WeightMesh:
         if "collective" in groups:
             self.parts["collective"] = DistributedWeightSync(trainers, [urls[n] for n in groups["collective"]],
                                                              engine_dtype, bucket_mb, backend)
-        self.buckets = next(iter(self.parts.values())).buckets
-        self.trainers, self.dtype, self.verify_every = trainers, engine_dtype, verify_every
-        first = next(iter(self.parts.values()))
+        first = next(iter(self.parts.values()))  # every part plans the same buckets
+        self.buckets = first.buckets
         self.names = [n for names in first.bucket_names for n in names]  # every exported tensor
+        self.trainers, self.dtype, self.verify_every = trainers, engine_dtype, verify_every
 
     async def setup(self) -> None:
         await asyncio.gather(*[p.setup() for p in self.parts.values()])

@@ -47,12 +47,17 @@ def serialize_flattened_bucket(named: list[tuple[str, torch.Tensor]] | dict) -> 
     items = list(named.items()) if isinstance(named, dict) else list(named)
     if len({t.dtype for _, t in items}) > 1:
         raise ValueError("a flattened bucket holds one dtype; split the tensors by dtype first")
+    flat = torch.cat([t.reshape(-1) for _, t in items])
+    return _dump({"flattened_tensor": _shared(flat), "metadata": flat_layout(items)})
+
+
+def flat_layout(items: list[tuple[str, torch.Tensor]]) -> list[dict]:
+    """Where each tensor sits in a flattened bucket: name, shape and [start, end) in elements."""
     meta, start = [], 0
     for name, t in items:
         meta.append({"name": name, "shape": list(t.shape), "start": start, "end": start + t.numel()})
         start += t.numel()
-    flat = torch.cat([t.reshape(-1) for _, t in items])
-    return _dump({"flattened_tensor": _shared(flat), "metadata": meta})
+    return meta
 
 
 def unflatten_bucket(payload) -> list[tuple[str, torch.Tensor]]:
