@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loongsage.agentflow.config import AgentConfig
 from loongsage.algo.config import AlgoConfig
 from loongsage.cluster.config import RayConfig
 from loongsage.controller.config import BootstrapConfig, TrainLoopConfig
@@ -43,6 +44,7 @@ class RunConfig(BaseModel):
     engine: EngineConfig = EngineConfig()
     sampling: SamplingConfig = SamplingConfig()
     rollout: RolloutConfig = RolloutConfig()
+    agent: AgentConfig = AgentConfig()
     trainer: TrainerConfig = TrainerConfig()
     algo: AlgoConfig = AlgoConfig()
     train: TrainLoopConfig = TrainLoopConfig()

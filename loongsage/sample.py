@@ -31,3 +31,23 @@ class Sample:
     def min_version(self) -> int:
         gen = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return min(gen) if gen else -1
+
+
+@dataclass
+class Group:
+    """The rollouts of one prompt (a GRPO group). A rollout may give several samples (an agent that
+    rewrote its history) or none (an agent that failed before its first model call), so rewards are
+    kept per rollout and each sample names its rollout in `info["rollout"]`."""
+    samples: list[Sample]
+    rewards: list[float]
+    tag: str = "default"
+    failed: int = 0  # rollouts that failed (crash, timeout, aborted)
+    stats: dict[str, float] = field(default_factory=dict)  # summed agent counters (turns, tool calls, ...)
+
+    @property
+    def min_version(self) -> int:
+        return min((s.min_version for s in self.samples), default=-1)
+
+    def assign_advantages(self, advantages: list[float]) -> None:
+        for i, s in enumerate(self.samples):
+            s.advantage = advantages[s.info.get("rollout", i)]

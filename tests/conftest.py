@@ -51,3 +51,16 @@ def ray_session():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> str:
+    from helpers import scripted_tool_model
+
+    return scripted_tool_model(str(tmp_path_factory.mktemp("tool-model")))
+
+
+@pytest.fixture(scope="session")
+def tool_engine(tool_model):
+    with launch_engine(tool_model, extra_args=["--max-running", "16", "--context-length", "512"]) as ep:
+        yield ep

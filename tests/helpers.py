@@ -52,3 +52,40 @@ def policy_batch(seed: int = 0, n: int = 6) -> TrainBatch:
         samples.append(Sample(p, r, [1] * len(r), torch.randn(len(r), generator=g).mul(0.1).sub(4.6).tolist(),
                               [0] * len(r), advantage=float(i % 3 - 1)))
     return collate(samples, 0)
+
+
+def scripted_tool_model(out_dir: str, steps: int = 200) -> str:
+    """A tiny Qwen3 trained (seconds, plain torch) to one calculator episode: to any question it calls
+    `calculator` with "6*7"; after a tool result it answers "The answer is 42". Greedy decoding then
+    gives deterministic tool calls, so gateway and agent tests see real parsed calls from a real engine."""
+    from transformers import AutoTokenizer
+
+    from loongsage.agentflow.chat_tokens import ChatTokens
+    from loongsage.agentflow.trajectory import demonstration_chain
+    from loongsage.models.factory import TinyModelSpec, build_tiny_model
+    from loongsage.tasks.calculator import CALCULATOR_TOOL
+
+    path = str(build_tiny_model(out_dir, TinyModelSpec(max_position_embeddings=512, seed=3)))
+    tok = AutoTokenizer.from_pretrained(path)
+    chat = ChatTokens(tok, path)
+    call = {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}}
+    demo = [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": "42"},
+            {"role": "assistant", "content": "The answer is 42"}]
+    chains = [demonstration_chain(chat, [{"role": "user", "content": q}], [CALCULATOR_TOOL], demo)
+              for q in ("6*7=?", "What is 6 times 7?", "12*3=?")]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    rows = [torch.tensor([c.ids]) for c in chains]
+    masks = [torch.tensor([[0] * (len(c.prompt_ids) - 1) + c.loss_mask], dtype=torch.float32) for c in chains]
+    torch.manual_seed(0)
+    for step in range(steps):
+        i = step % len(rows)
+        logits = model(rows[i]).logits[0, :-1]
+        nll = torch.nn.functional.cross_entropy(logits, rows[i][0, 1:], reduction="none")
+        loss = (nll * masks[i][0]).sum() / masks[i].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(path)
+    return path

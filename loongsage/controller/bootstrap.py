@@ -15,7 +15,8 @@ from loongsage.models.prepare import resolve_model
 
 def base_policy_dir(cfg) -> Path:
     key = json.dumps([cfg.model.model_dump(exclude={"cache_dir"}), cfg.task.model_dump(exclude={"data_dir"}),
-                      cfg.bootstrap.sft.model_dump(), cfg.seed], sort_keys=True)
+                      cfg.bootstrap.sft.model_dump(), cfg.seed, cfg.agent.kind != "single_turn",
+                      cfg.agent.limits.model_dump()], sort_keys=True)
     return Path(cfg.bootstrap.cache_dir) / f"{cfg.task.name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

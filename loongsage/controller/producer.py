@@ -11,12 +11,11 @@ import asyncio
 import logging
 import time
 
+from loongsage.agentflow.runner import EpisodeRunner
 from loongsage.buffer import StalenessWindow
 from loongsage.controller.runtime import Runtime
 from loongsage.controller.sampler import PromptSampler
-from loongsage.rollout.single_turn import sample_group
-from loongsage.sample import Sample
-from loongsage.tasks.base import TaskSpec
+from loongsage.sample import Group
 from loongsage.timeline import Timeline
 
 log = logging.getLogger("loongsage.producer")
@@ -48,16 +47,16 @@ class BusyClock:
 
 
 class RolloutProducer:
-    def __init__(self, rt: Runtime, tokenizer, spec: TaskSpec, sampler: PromptSampler, window: StalenessWindow,
-                 sampling_params: dict, n: int, timeline: Timeline | None = None):
-        self.rt, self.tok, self.spec, self.sampler, self.window = rt, tokenizer, spec, sampler, window
-        self.params, self.n = sampling_params, n
-        self.buffer: asyncio.Queue[list[Sample]] = asyncio.Queue()
+    def __init__(self, rt: Runtime, runner: EpisodeRunner, sampler: PromptSampler, window: StalenessWindow,
+                 n: int, mask_failures: bool = True, timeline: Timeline | None = None):
+        self.rt, self.runner, self.sampler, self.window = rt, runner, sampler, window
+        self.n, self.mask_failures = n, mask_failures
+        self.buffer: asyncio.Queue[Group] = asyncio.Queue()
         self.inflight: dict[int, int] = {}  # group id -> version when it started
         self.cancelling: set[int] = set()
         self.busy = BusyClock(timeline)
         self._wake = asyncio.Event()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[int, asyncio.Task] = {}
 
     def poke(self) -> None:
         self._wake.set()
@@ -73,14 +72,17 @@ class RolloutProducer:
             gid += 1
             self.inflight[gid] = self.window.version
             task = asyncio.create_task(self._one(gid, row))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._tasks[gid] = task
+            task.add_done_callback(lambda _, g=gid: self._tasks.pop(g, None))
 
     async def _one(self, gid: int, row) -> None:
         self.busy.start()
         try:
-            group = await sample_group(self.rt.router, self.tok, row, self.spec, self.params, self.n, gid,
-                                       rid=f"group-{gid}")
+            group = await self.runner.group(row, self.n, gid)
+        except asyncio.CancelledError:  # an agent group cancelled at a weight update
+            self.cancelling.discard(gid)
+            self.window.cancel()
+            raise
         except Exception as exc:  # a broken request must not stop the run
             log.warning("group %d failed: %s", gid, exc)
             self.window.fail()
@@ -92,7 +94,7 @@ class RolloutProducer:
         if gid in self.cancelling:
             self.cancelling.discard(gid)
             self.window.cancel()
-        elif any(s.status == "failed" for s in group):
+        elif group.failed and self.mask_failures:
             self.window.fail()
         else:
             self.window.finish()
@@ -103,10 +105,14 @@ class RolloutProducer:
         old = [g for g, start in self.inflight.items() if self.window.in_flight_too_old(start) and g not in self.cancelling]
         for g in old:
             self.cancelling.add(g)
-            await asyncio.gather(*[c.abort(f"group-{g}") for c in self.rt.router.clients])
+            if self.runner.cfg.kind == "single_turn":  # one request per group: abort it on the engines
+                await asyncio.gather(*[c.abort(f"group-{g}") for c in self.rt.router.clients])
+            elif g in self._tasks:  # agent episodes: cancel them (black-box processes are killed)
+                self._tasks[g].cancel()
         return len(old)
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
+        tasks = list(self._tasks.values())
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)

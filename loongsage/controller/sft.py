@@ -20,7 +20,9 @@ from loongsage.tasks.base import get_task
 from loongsage.tasks.prepare import prepare_data
 from loongsage.trainer.config import TrainerConfig
 
-from loongsage.controller.evaluate import evaluate
+from loongsage.agentflow.chat_tokens import ChatTokens
+from loongsage.agentflow.runner import EpisodeRunner
+from loongsage.agentflow.trajectory import demonstration_chain
 from loongsage.controller.runtime import Runtime
 from loongsage.sample import Sample
 from loongsage.tasks.base import TaskRow, TaskSpec
@@ -28,7 +30,12 @@ from loongsage.tasks.prepare import prompt_ids
 from loongsage.trainer.batch import collate
 
 
-def sft_sample(tokenizer, row: TaskRow) -> Sample:
+def sft_sample(tokenizer, row: TaskRow, spec: TaskSpec | None = None, chat: ChatTokens | None = None) -> Sample:
+    """The row's answer as the target, or for agent tasks the task's demonstration (tool calls and
+    answer trained, tool results inserted) as one multi-turn sample."""
+    if spec is not None and spec.demonstration is not None and isinstance(row.prompt, list):
+        c = demonstration_chain(chat or ChatTokens(tokenizer), row.prompt, row.tools, spec.demonstration(row))
+        return Sample(c.prompt_ids, c.response_ids, c.loss_mask, c.logprobs, c.versions, tag=row.tag)
     ids = prompt_ids(tokenizer, row)
     end = tokenizer.eos_token if isinstance(row.prompt, str) else "<|im_end|>"
     target = tokenizer(row.answer + end, add_special_tokens=False)["input_ids"]
@@ -37,11 +44,12 @@ def sft_sample(tokenizer, row: TaskRow) -> Sample:
 
 
 async def run_sft(rt: Runtime, tokenizer, rows: list[TaskRow], dev: list[TaskRow], spec: TaskSpec, cfg,
-                  max_new_tokens: int, seed: int = 0, console: Console | None = None) -> dict:
-    """`cfg` is an SFTConfig. Returns the last dev accuracy, steps and seconds."""
+                  runner: EpisodeRunner, seed: int = 0, console: Console | None = None) -> dict:
+    """`cfg` is an SFTConfig; dev accuracy is the runner's (the run's agent, greedy). Returns the last
+    dev accuracy, steps and seconds."""
     console = console or Console()
     rng = random.Random(seed)
-    samples = [sft_sample(tokenizer, r) for r in rows]
+    samples = [sft_sample(tokenizer, r, spec, runner.chat) for r in rows]
     t0 = time.perf_counter()
     acc, step = 0.0, 0
     for step in range(1, cfg.max_steps + 1):
@@ -49,7 +57,7 @@ async def run_sft(rt: Runtime, tokenizer, rows: list[TaskRow], dev: list[TaskRow
         m = await rt.trainers.train_step(batch, "sft", None)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             await rt.sync.push(step)
-            acc = (await evaluate(rt.router, tokenizer, dev, spec, max_new_tokens))["eval/accuracy"]
+            acc = (await runner.evaluate(dev))["eval/accuracy"]
             console.print(f"[sft] step {step}: loss {m['loss/sft']:.3f}, dev accuracy {acc:.3f} "
                           f"({time.perf_counter() - t0:.0f}s)")
             if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
@@ -67,12 +75,20 @@ async def sft_to(cfg, init: Path, out: Path, console: Console) -> dict:
     trainer = TrainerConfig(**{**cfg.trainer.model_dump(), "lr": sft.lr, "betas": sft.betas,
                                "warmup_steps": sft.warmup_steps, "lr_schedule": "constant", "bf16": False})
     rt = await Runtime.start(str(init), trainer, cfg.engine, cfg.rollout, cfg.ray, transfer=cfg.transfer)
+    runner = None
     try:
         tok = AutoTokenizer.from_pretrained(init)
-        result = await run_sft(rt, tok, rows, dev, get_task(cfg.task.name), sft, cfg.sampling.max_new_tokens,
-                               cfg.seed, console)
+        spec = get_task(cfg.task.name)
+        # Dev accuracy of an agent policy is measured with the white-box tool loop, for black-box recipes
+        # too (the same protocol; no process per dev row), so both kinds share one cached base policy.
+        agent = cfg.agent if cfg.agent.kind != "blackbox" else cfg.agent.model_copy(update={"kind": "whitebox"})
+        runner = await EpisodeRunner(agent, rt.router, tok, str(init), spec, cfg.sampling.sampling_params(),
+                                     cfg.sampling.max_new_tokens).start()
+        result = await run_sft(rt, tok, rows, dev, spec, sft, runner, cfg.seed, console)
         await rt.trainers.save(str(out))
     finally:
+        if runner is not None:
+            await runner.stop()
         await rt.close()
     (out / "sft.json").write_text(json.dumps(result))
     return result

@@ -29,16 +29,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoTokenizer
 
+from loongsage.agentflow.runner import EpisodeRunner
 from loongsage.algo import advantages as adv
 from loongsage.buffer import StalenessWindow
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy
-from loongsage.controller.evaluate import evaluate
 from loongsage.controller.producer import RolloutProducer
 from loongsage.controller.runtime import Runtime
 from loongsage.controller.sampler import PromptSampler
 from loongsage.metrics import MetricsWriter
-from loongsage.sample import Sample
+from loongsage.sample import Group, Sample
 from loongsage.tasks.base import get_task
 from loongsage.tasks.prepare import prepare_data
 from loongsage.timeline import Timeline
@@ -64,13 +64,16 @@ async def train(cfg: RunConfig) -> dict:
     window = StalenessWindow(ro.max_staleness, ro.prompts_per_step,
                              ro.max_inflight_groups or (ro.max_staleness + 1) * ro.prompts_per_step)
     timeline = Timeline()
-    producer = RolloutProducer(rt, tok, spec, PromptSampler(train_rows, cfg.seed), window,
-                               cfg.sampling.sampling_params(), cfg.sampling.n, timeline)
+    runner = EpisodeRunner(cfg.agent, rt.router, tok, str(base), spec, cfg.sampling.sampling_params(),
+                           cfg.sampling.max_new_tokens)
+    producer = RolloutProducer(rt, runner, PromptSampler(train_rows, cfg.seed), window, cfg.sampling.n,
+                               cfg.agent.kind == "single_turn" or cfg.agent.on_failure == "mask", timeline)
     summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
     producing = pending = None
     try:
+        await runner.start()
         t_eval = time.perf_counter()
-        first = await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)
+        first = await runner.evaluate(eval_rows)
         metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
                        "time/elapsed_s": time.perf_counter() - t_start})
         summary["eval_before"] = first["eval/accuracy"]
@@ -92,7 +95,7 @@ async def train(cfg: RunConfig) -> dict:
                     if evaluate_now:
                         t_eval = time.perf_counter()
                         with timeline.span("eval", f"eval {step}"):
-                            record.update(await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens))
+                            record.update(await runner.evaluate(eval_rows))
                         record["time/eval_s"] = time.perf_counter() - t_eval
                     _finish(record, clock, metrics, bar, task)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
@@ -108,8 +111,7 @@ async def train(cfg: RunConfig) -> dict:
         await producer.stop()  # the engines are free for the final evaluation
         producing = None
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
-            record = {"step": step, "version": step,
-                      **await evaluate(rt.router, tok, eval_rows, spec, cfg.sampling.max_new_tokens)}
+            record = {"step": step, "version": step, **await runner.evaluate(eval_rows)}
             metrics.write(record)
         await rt.trainers.save(str(run_dir / "checkpoints" / "final"))
         summary.update(eval_after=record["eval/accuracy"], steps=step, train_seconds=time.perf_counter() - t_start)
@@ -123,6 +125,7 @@ async def train(cfg: RunConfig) -> dict:
             await producer.stop()
         timeline.save(run_dir / "timeline.json")
         metrics.close()
+        await runner.stop()
         await rt.close()
         if cfg.train.controller_cpu_affinity and cores is not None:
             os.sched_setaffinity(0, cores)
@@ -133,10 +136,11 @@ async def _train(step: int, cfg: RunConfig, rt: Runtime, tok, producer: RolloutP
                  window: StalenessWindow, timeline: Timeline) -> dict:
     with timeline.span("controller: wait for batch", f"batch {step}"):
         groups, sampled, dropped = await _take_batch(step, cfg, producer, window)
-    samples = [s for g in groups for s in g]
+    samples = [s for g in groups for s in g.samples]
     record: dict = {"step": step, "version": step, "samples/trained": len(samples),
                     "samples/dropped_stale": dropped, "samples/filtered_groups": len(sampled) - len(groups)}
     record.update(_reward_metrics(sampled))
+    record.update(_agent_metrics(sampled))
     t_train = time.perf_counter()
     if samples:
         batch = collate(samples, tok.pad_token_id)
@@ -168,10 +172,10 @@ async def _take_batch(step, cfg: RunConfig, producer: RolloutProducer, window: S
     groups, sampled, dropped = [], [], 0
     while len(groups) < want and len(sampled) < cap:
         group = await producer.buffer.get()
-        if window.is_stale(min(s.min_version for s in group), step):
+        if window.is_stale(group.min_version, step):
             window.evict()
-            dropped += len(group)
-        elif cfg.rollout.dynamic_sampling and not adv.keep_informative_groups(torch.tensor([[s.reward for s in group]]))[0]:
+            dropped += len(group.samples)
+        elif cfg.rollout.dynamic_sampling and not adv.keep_informative_groups(torch.tensor([group.rewards]))[0]:
             window.discard()
             sampled.append(group)
         else:
@@ -180,10 +184,9 @@ async def _take_batch(step, cfg: RunConfig, producer: RolloutProducer, window: S
         producer.poke()
     window.consume(len(groups))
     if groups:
-        advantages = adv.compute(cfg.algo.advantage, torch.tensor([[s.reward for s in g] for g in groups]))
+        advantages = adv.compute(cfg.algo.advantage, torch.tensor([g.rewards for g in groups]))
         for g, a in zip(groups, advantages):
-            for s, value in zip(g, a.tolist()):
-                s.advantage = value
+            g.assign_advantages(a.tolist())
     return groups, sampled, dropped
 
 
@@ -251,15 +254,29 @@ def _staleness_metrics(step: int, samples: list[Sample]) -> dict[str, float]:
     return out
 
 
-def _reward_metrics(groups: list[list[Sample]]) -> dict[str, float]:
+def _reward_metrics(groups: list[Group]) -> dict[str, float]:
     by_tag = defaultdict(list)
     for g in groups:
-        for s in g:
-            by_tag[s.tag].append(s.reward)
+        by_tag[g.tag].extend(g.rewards)
     allr = [r for v in by_tag.values() for r in v]
     out = {"reward/mean": sum(allr) / len(allr) if allr else 0.0}
     for tag, v in by_tag.items():
         out[f"reward/{tag}/mean"] = sum(v) / len(v)
+    return out
+
+
+def _agent_metrics(groups: list[Group]) -> dict[str, float]:
+    """Agent episodes of the groups drawn this step: per-rollout means and rates (none for single-turn)."""
+    total = Counter()
+    for g in groups:
+        total.update(g.stats)
+    if not total.get("rollouts"):
+        return {}
+    n = total["rollouts"]
+    out = {"agent/turns_mean": total["turns"] / n, "agent/tool_calls_mean": total["tool_calls"] / n,
+           "agent/failed_frac": total["failed"] / n, "agent/malformed_tool_calls": float(total["malformed_tool_calls"])}
+    if "later_calls" in total:  # black-box: calls that had to start a new chain, of all calls after the first
+        out["agent/drift_rate"] = total["drifted_calls"] / total["later_calls"] if total["later_calls"] else 0.0
     return out
 
 

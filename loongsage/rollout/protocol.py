@@ -25,6 +25,13 @@ class GenerateOutput:
     def finish_type(self) -> str:
         return (self.finish_reason or {}).get("type", "unknown")
 
+    @property
+    def versions(self) -> list[int]:
+        """Per output token policy version; a stock SGLang server reports one version per request."""
+        if self.output_versions is not None:
+            return list(self.output_versions)
+        return [int(self.weight_version or 0)] * len(self.output_ids)
+
 
 def build_generate(
     input_ids: list[int] | list[list[int]],

@@ -15,10 +15,9 @@ async def sample_group(router: Router, tokenizer, row: TaskRow, spec: TaskSpec, 
                                  rid=rid)
     samples = []
     for o in outs:
-        versions = o.output_versions or [int(o.weight_version or 0)] * len(o.output_ids)
         samples.append(Sample(
             prompt_ids=ids, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids),
-            behavior_logprobs=o.output_logprobs, versions=versions, reward=spec.reward(o.text, row), tag=row.tag,
+            behavior_logprobs=o.output_logprobs, versions=o.versions, reward=spec.reward(o.text, row), tag=row.tag,
             status="truncated" if o.finish_type == "length" else ("failed" if o.finish_type == "abort" else "ok"),
             group=group, text=o.text))
     return samples

@@ -28,6 +28,8 @@ class TaskSpec:
     description: str
     generate: Callable[..., list[TaskRow]]  # generate(n, seed, **params)
     reward: Callable[[str, TaskRow], float]  # reward(response_text, row) in [0, 1]
+    # Agent tasks: the messages an expert adds after the prompt (tool calls, final answer), for SFT bootstraps
+    demonstration: Callable[[TaskRow], list[dict[str, Any]]] | None = None
 
 
 TASKS: dict[str, TaskSpec] = {}

@@ -80,4 +80,14 @@ def reward(response: str, row: TaskRow) -> float:
     return 1.0 if numbers and numbers[-1] == row.answer else 0.0
 
 
-SPEC = register(TaskSpec("calculator", "large multiplications with a calculator tool (chat)", generate, reward))
+def demonstration(row: TaskRow) -> list[dict]:
+    """Call the calculator with the expression, then answer with its result."""
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "calculator", "arguments": {"expression": row.meta["expression"]}}}
+    return [{"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": row.answer},
+            {"role": "assistant", "content": row.answer}]
+
+
+SPEC = register(TaskSpec("calculator", "large multiplications with a calculator tool (chat)", generate, reward,
+                         demonstration))

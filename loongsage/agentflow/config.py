@@ -1,0 +1,29 @@
+"""The `agent` section: how a rollout runs (single-turn sampling, a white-box agent function, or a
+black-box agent program through the gateway) and what happens when an episode fails."""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from loongsage.agentflow.context import AgentLimits
+
+
+class AgentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["single_turn", "whitebox", "blackbox"] = "single_turn"
+    entry: str = Field("loongsage.agentflow.agents:tool_loop", description="whitebox: 'module:function', "
+                       "an async def run(ctx, task)")
+    command: list[str] = Field(default_factory=list, description="blackbox: the agent program's command line "
+                               "('{python}' is this interpreter); the task arrives on stdin as JSON")
+    limits: AgentLimits = AgentLimits()
+    concurrency: int = Field(16, ge=1, description="black-box agent processes running at once")
+    on_failure: Literal["zero", "mask"] = Field("zero", description="a failed episode scores 0 in its group "
+                                                "(zero) or the whole group is not trained (mask)")
+    gateway_host: str = "127.0.0.1"
+
+    @model_validator(mode="after")
+    def _command(self) -> "AgentConfig":
+        if self.kind == "blackbox" and not self.command:
+            raise ValueError("agent.kind=blackbox needs agent.command (the agent program's command line)")
+        return self

@@ -1,0 +1,193 @@
+"""The black-box gateway: an OpenAI-compatible chat-completions server in front of the policy.
+
+Any program that speaks the OpenAI API (with tools) talks to its own session; the gateway turns each
+request into token ids (extending the session's held ids when the request continues an earlier
+call), samples through the router, parses tool calls, records the exact ids / logprobs / versions,
+and answers in OpenAI's format. Bad input is a 4xx with one clear message, never a 5xx.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from loongsage.agentflow import openai_protocol as O
+from loongsage.agentflow.chat_tokens import ChatTokens
+from loongsage.agentflow.llm import ModelTurn, PolicyLLM
+from loongsage.agentflow.sessions import CallRecorder, Session, SessionStore
+from loongsage.rollout.client import EngineError
+
+
+class Gateway:
+    def __init__(self, llm: PolicyLLM, chat: ChatTokens, sessions: SessionStore, model_name: str = "policy",
+                 recorder: CallRecorder | None = None, policy_sampling: dict | None = None,
+                 max_body_bytes: int = 1 << 20, max_prompt_tokens: int | None = None):
+        self.llm, self.chat, self.sessions, self.model_name = llm, chat, sessions, model_name
+        self.recorder, self.max_body_bytes, self.max_prompt_tokens = recorder, max_body_bytes, max_prompt_tokens
+        # Training: the policy's sampling settings win over the agent's (behaviour logprobs must be the
+        # policy's); `max_new_tokens` there is a cap on what the agent asks for.
+        self.policy_sampling = dict(policy_sampling or {})
+
+    def _sampling(self, req: O.ChatCompletionRequest, session: Session) -> dict[str, Any]:
+        asked = req.sampling_params()
+        policy = {**self.policy_sampling, **(session.sampling or {})}
+        if not policy:
+            return asked
+        out = {**asked, **{k: v for k, v in policy.items() if k != "max_new_tokens"}}
+        cap = policy.get("max_new_tokens")
+        if cap is not None:
+            out["max_new_tokens"] = min(cap, asked.get("max_new_tokens", cap))
+        return out
+
+    async def complete(self, session: Session, req: O.ChatCompletionRequest) -> tuple[ModelTurn, int]:
+        messages, tools = req.template_messages(), req.template_tools()
+        try:
+            chain, extends = session.place(self.chat, messages, tools)
+        except Exception as exc:  # the template could not render these messages
+            raise O.RequestError(f"messages: cannot be rendered by the chat template ({exc})") from None
+        prompt = chain.ids
+        if self.max_prompt_tokens is not None and len(prompt) >= self.max_prompt_tokens:
+            raise O.RequestError(f"messages: {len(prompt)} prompt tokens, the model's limit is {self.max_prompt_tokens}")
+        session.busy.add(id(chain))
+        try:
+            turn = await self.llm.generate(prompt, self._sampling(req, session), session=f"gw-{session.name}")
+        finally:
+            session.busy.discard(id(chain))
+        chain.add_model_turn(turn.output_ids, turn.logprobs, turn.versions)
+        chain.messages.append(turn.message())
+        chain.last_stop = turn.stopped_with
+        session.calls += 1
+        session.extended += extends
+        session.malformed_tool_calls += turn.parsed.malformed
+        record = {"session": session.name, "call": session.calls - 1, "chain": session.chains.index(chain),
+                  "extends": extends, "prompt_ids": prompt, "output_ids": turn.output_ids,
+                  "output_logprobs": turn.logprobs, "output_versions": turn.versions,
+                  "weight_version": turn.weight_version, "finish_reason": turn.finish, "text": turn.text,
+                  "tool_calls": len(turn.parsed.tool_calls), "malformed_tool_calls": turn.parsed.malformed,
+                  "time": time.time()}
+        session.records.append(record)
+        if self.recorder is not None:
+            self.recorder.write(record)
+        return turn, len(prompt)
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="LoongSage gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+        def fail(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+            return JSONResponse(O.error_body(message, kind), status_code=status)
+
+        def who(request: Request) -> Session | None:
+            auth = request.headers.get("authorization", "")
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            return self.sessions.lookup(key)
+
+        async def body_of(request: Request) -> bytes:
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+                raise O.RequestError(f"body: larger than {self.max_body_bytes} bytes")
+            data = bytearray()
+            async for part in request.stream():
+                data += part
+                if len(data) > self.max_body_bytes:
+                    raise O.RequestError(f"body: larger than {self.max_body_bytes} bytes")
+            return bytes(data)
+
+        @app.exception_handler(O.RequestError)
+        async def _bad(_: Request, exc: O.RequestError):
+            status = 413 if str(exc).startswith("body: larger") else 400
+            return fail(status, str(exc))
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models(request: Request):
+            if who(request) is None:
+                return fail(401, "invalid or missing API key", "authentication_error")
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                                "owned_by": "loongsage"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            session = who(request)
+            if session is None:
+                return fail(401, "invalid or missing API key", "authentication_error")
+            req = O.parse_request(await body_of(request))
+            try:
+                turn, prompt_tokens = await self.complete(session, req)
+            except EngineError as exc:
+                if 400 <= exc.status < 500:
+                    return fail(400, exc.message)
+                return fail(502, f"inference engine error: {exc.message}", "api_error")
+            model = req.model or self.model_name
+            if req.stream:
+                include_usage = bool((req.stream_options or {}).get("include_usage"))
+                return StreamingResponse(O.stream_events(turn, model, prompt_tokens, include_usage),
+                                         media_type="text/event-stream")
+            return O.completion(turn, model, prompt_tokens)
+
+        @app.post("/v1/loongsage/reward")
+        async def post_reward(request: Request):
+            """LoongSage extension: an agent that scores itself posts {"reward": number} to its session."""
+            session = who(request)
+            if session is None:
+                return fail(401, "invalid or missing API key", "authentication_error")
+            try:
+                value = json.loads(await body_of(request)).get("reward")
+            except (ValueError, AttributeError):
+                value = None
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                return fail(400, "reward: expected a JSON object {\"reward\": number}")
+            session.reward = float(value)
+            return {"session": session.name, "reward": session.reward}
+
+        @app.get("/v1/loongsage/session")
+        async def own_records(request: Request):
+            """LoongSage extension: the caller's own session records (never another session's)."""
+            session = who(request)
+            if session is None:
+                return fail(401, "invalid or missing API key", "authentication_error")
+            return {"session": session.name, "calls": session.calls, "drift_rate": session.drift_rate,
+                    "records": session.records}
+
+        return app
+
+
+class GatewayServer:
+    """Runs a gateway inside the current event loop (the controller's), on 127.0.0.1 by default."""
+
+    def __init__(self, gateway: Gateway, host: str = "127.0.0.1", port: int = 0):
+        self.gateway, self.host, self.port = gateway, host, port
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> "GatewayServer":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.gateway.app(), log_level="warning", timeout_keep_alive=60, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = None

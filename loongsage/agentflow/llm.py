@@ -1,0 +1,43 @@
+"""Token-in, token-out model calls for agents: ids go to the engines through the router, and the
+sampled ids come back with their logprobs and per-token policy versions, never retokenized."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loongsage.agentflow.chat_tokens import ChatTokens
+from loongsage.agentflow.toolcalls import ParsedTurn, parse_tool_calls
+from loongsage.rollout.router import Router
+
+
+@dataclass
+class ModelTurn:
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    text: str  # the turn's text with markup, without the stop token
+    parsed: ParsedTurn
+    finish: str  # stop | length | abort
+    weight_version: str
+    stopped_with: int | None = None  # the end-of-turn token that ended it (None: cut short or a stop string)
+
+    def message(self) -> dict:
+        """The OpenAI assistant message this turn is."""
+        msg: dict = {"role": "assistant", "content": self.parsed.content}
+        if self.parsed.tool_calls:
+            msg["tool_calls"] = [c.to_openai() for c in self.parsed.tool_calls]
+        return msg
+
+
+class PolicyLLM:
+    def __init__(self, router: Router, chat: ChatTokens, sampling: dict):
+        self.router, self.chat, self.sampling = router, chat, dict(sampling)
+
+    async def generate(self, ids: list[int], sampling: dict | None = None, session: str | None = None,
+                       rid: str | None = None) -> ModelTurn:
+        params = {**self.sampling, **(sampling or {}), "n": 1}
+        out = (await self.router.generate(ids, params, session=session, return_logprob=True, rid=rid))[0]
+        text = self.chat.turn_text(out.output_ids)
+        last = out.output_ids[-1] if out.output_ids else None
+        stop = last if out.finish_type == "stop" and last in self.chat.stop_ids else None
+        return ModelTurn(list(out.output_ids), list(out.output_logprobs or []), out.versions, text,
+                         parse_tool_calls(text), out.finish_type, out.weight_version, stop)

@@ -1,0 +1,131 @@
+"""OpenAI chat-completions encoding for the gateway, apart from the HTTP transport: request
+validation (pydantic; one clear message naming the field) and response / stream-chunk builders."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from loongsage.agentflow.llm import ModelTurn
+
+
+class RequestError(ValueError):
+    """A bad request, as the one line the client gets back (HTTP 400)."""
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: dict[str, Any]
+
+    @field_validator("function")
+    @classmethod
+    def _named(cls, fn: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError("function.name must be a non-empty string")
+        return fn
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # SDKs send fields we have no use for (user, metadata, ...)
+    model: str = ""
+    messages: list[Message] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=1, description="one choice per call (agents loop; GRPO groups are rollouts)")
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def sampling_params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.temperature is not None:
+            out["temperature"] = self.temperature
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        limit = self.max_completion_tokens or self.max_tokens
+        if limit is not None:
+            out["max_new_tokens"] = limit
+        if self.stop:
+            out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        return out
+
+
+def parse_request(body: bytes) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "body"
+        raise RequestError(f"{where}: {err['msg']}") from None
+
+
+def finish_reason(turn: ModelTurn) -> str:
+    if turn.parsed.tool_calls:
+        return "tool_calls"
+    return "length" if turn.finish == "length" else "stop"
+
+
+def completion(turn: ModelTurn, model: str, prompt_tokens: int) -> dict[str, Any]:
+    msg = turn.message()
+    if msg.get("tool_calls") and not msg["content"]:
+        msg["content"] = None
+    return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [{"index": 0, "message": msg, "finish_reason": finish_reason(turn),
+                                         "logprobs": None}],
+            "usage": usage(turn, prompt_tokens)}
+
+
+def usage(turn: ModelTurn, prompt_tokens: int) -> dict[str, int]:
+    n = len(turn.output_ids)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
+
+
+def stream_events(turn: ModelTurn, model: str, prompt_tokens: int, include_usage: bool, piece: int = 16):
+    """SSE lines of a finished turn: role, content in pieces, tool calls, finish (and usage)."""
+    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else [],
+               **extra}
+        return f"data: {json.dumps(obj)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    text = turn.parsed.content
+    for i in range(0, len(text), piece):
+        yield chunk({"content": text[i:i + piece]})
+    for i, call in enumerate(turn.parsed.tool_calls):
+        yield chunk({"tool_calls": [{"index": i, **call.to_openai()}]})
+    yield chunk({}, finish_reason(turn))
+    if include_usage:
+        yield chunk(None, usage=usage(turn, prompt_tokens))
+    yield "data: [DONE]\n\n"
+
+
+def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}

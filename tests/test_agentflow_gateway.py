@@ -1,0 +1,214 @@
+"""The gateway with the official `openai` client against a real engine (a tiny model trained to make
+one calculator call), white-box episodes, and black-box agent programs (the example written with the
+openai SDK, plus ones that crash, hang, print garbage or never call the model)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI, AuthenticationError
+from transformers import AutoTokenizer
+
+from helpers import with_client
+from loongsage.agentflow.agents import tool_loop
+from loongsage.agentflow.blackbox import BlackBoxRunner
+from loongsage.agentflow.chat_tokens import ChatTokens
+from loongsage.agentflow.context import AgentContext, AgentLimits, run_episode
+from loongsage.agentflow.gateway import Gateway, GatewayServer
+from loongsage.agentflow.llm import PolicyLLM
+from loongsage.agentflow.sessions import CallRecorder, SessionStore
+from loongsage.agentflow.tools import registry_for
+from loongsage.rollout.router import Router
+from loongsage.tasks.base import TaskRow, get_task
+from loongsage.tasks.calculator import CALCULATOR_TOOL
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 80}
+ROW = TaskRow(prompt=[{"role": "user", "content": "6*7=?"}], answer="42", tag="calc", tools=[CALCULATOR_TOOL],
+              meta={"expression": "6*7"})
+
+
+async def _with_gateway(url: str, model: str, fn, open_keys=True, record_dir=None, **kw):
+    chat = ChatTokens(AutoTokenizer.from_pretrained(model), model)
+    router = Router([url])
+    gw = Gateway(PolicyLLM(router, chat, GREEDY), chat, SessionStore(open_keys=open_keys),
+                 recorder=CallRecorder(record_dir) if record_dir else None, **kw)
+    server = await GatewayServer(gw).start()
+    try:
+        return await fn(gw, server)
+    finally:
+        await server.stop()
+        await router.aclose()
+
+
+def test_openai_client_tool_call_round_trip(tool_engine, tool_model, tmp_path):
+    async def go(gw, server):
+        client = AsyncOpenAI(base_url=server.base_url, api_key="alice", max_retries=0)
+        msgs = [{"role": "user", "content": "6*7=?"}]
+        r1 = await client.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0)
+        (call,) = r1.choices[0].message.tool_calls
+        assert r1.choices[0].finish_reason == "tool_calls"
+        assert call.function.name == "calculator" and json.loads(call.function.arguments) == {"expression": "6*7"}
+        msgs += [r1.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+        r2 = await client.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR_TOOL], temperature=0)
+        assert r2.choices[0].message.content == "The answer is 42" and r2.choices[0].finish_reason == "stop"
+        assert r2.usage.prompt_tokens > r1.usage.prompt_tokens + r1.usage.completion_tokens
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["policy"]
+        # the recorded ids are the engine's own output for exactly the recorded prompt
+        session = gw.sessions.lookup("alice")
+        assert [r["extends"] for r in session.records] == [False, True] and session.drift_rate == 0.0
+        for rec in session.records:
+            direct = await with_client(tool_engine.url, lambda c: c.generate(rec["prompt_ids"], GREEDY))
+            assert rec["output_ids"] == direct.output_ids
+            assert rec["output_logprobs"] == pytest.approx(direct.output_logprobs, abs=1e-5)
+        (chain,) = session.chains
+        assert chain.ids == session.records[1]["prompt_ids"] + session.records[1]["output_ids"]
+        return session.records
+
+    records = asyncio.run(_with_gateway(tool_engine.url, tool_model, go, record_dir=tmp_path))
+    lines = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[1]["output_ids"] == records[1]["output_ids"]
+    assert {"session", "prompt_ids", "output_ids", "output_logprobs", "weight_version"} <= set(lines[0])
+
+
+def test_openai_client_streaming(tool_engine, tool_model):
+    async def go(gw, server):
+        client = AsyncOpenAI(base_url=server.base_url, api_key="bob", max_retries=0)
+        msgs = [{"role": "user", "content": "6*7=?"}]
+        stream = await client.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR_TOOL],
+                                                      stream=True, stream_options={"include_usage": True})
+        calls, finish, usage = [], None, None
+        async for chunk in stream:
+            if chunk.usage:
+                usage = chunk.usage
+            for ch in chunk.choices:
+                calls += ch.delta.tool_calls or []
+                finish = ch.finish_reason or finish
+        assert finish == "tool_calls" and usage.completion_tokens > 10
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("calculator", {"expression": "6*7"})]
+        msgs += [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function", "function": {"name": "calculator", "arguments": calls[0].function.arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "42"}]
+        text = ""
+        async for chunk in await client.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR_TOOL],
+                                                                stream=True):
+            text += "".join(ch.delta.content or "" for ch in chunk.choices)
+        assert text == "The answer is 42"
+        assert [r["extends"] for r in gw.sessions.lookup("bob").records] == [False, True]
+
+    asyncio.run(_with_gateway(tool_engine.url, tool_model, go))
+
+
+def test_gateway_auth_isolation_and_bad_input(tool_engine, tool_model):
+    async def go(gw, server):
+        key_a, a = gw.sessions.open("a")
+        key_b, b = gw.sessions.open("b")
+        with pytest.raises(AuthenticationError):
+            await AsyncOpenAI(base_url=server.base_url, api_key="made-up", max_retries=0).models.list()
+        client_a = AsyncOpenAI(base_url=server.base_url, api_key=key_a, max_retries=0)
+        await client_a.chat.completions.create(model="p", messages=[{"role": "user", "content": "6*7=?"}])
+        base = server.base_url
+        async with aiohttp.ClientSession() as http:
+            async def post(body, key=key_b, raw=None):
+                async with http.post(f"{base}/chat/completions", data=raw if raw is not None else json.dumps(body),
+                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+                    return r.status, await r.json()
+
+            async with http.get(f"{base}/loongsage/session", headers={"Authorization": f"Bearer {key_b}"}) as r:
+                own = await r.json()
+            assert own["session"] == "b" and own["records"] == [] and len(a.records) == 1
+            ok_msgs = [{"role": "user", "content": "hi"}]
+            cases = [(None, b"{not json"), ({"messages": []}, None), ({"messages": [{"role": "wizard", "content": "x"}]}, None),
+                     ({"messages": ok_msgs, "n": 2}, None), ({"messages": ok_msgs, "temperature": -1}, None),
+                     ({"messages": ok_msgs, "tools": [{"type": "function", "function": {}}]}, None),
+                     ({"messages": "hello"}, None), (None, b"[1, 2]"), (None, b"x" * (2 << 20))]
+            for body, raw in cases:
+                status, err = await post(body, raw=raw)
+                assert 400 <= status < 500, (body, raw and raw[:20], status, err)
+                assert err["error"]["message"]
+            assert (await post({"messages": ok_msgs}, key="nope"))[0] == 401
+            async with http.post(f"{base}/loongsage/reward", json={"reward": "high"},
+                                 headers={"Authorization": f"Bearer {key_b}"}) as r:
+                assert r.status == 400
+            async with http.post(f"{base}/loongsage/reward", json={"reward": 0.5},
+                                 headers={"Authorization": f"Bearer {key_b}"}) as r:
+                assert r.status == 200 and b.reward == 0.5 and a.reward is None
+        assert b.records == [] and b.calls == 0  # nothing of b's was touched by the bad requests
+
+    asyncio.run(_with_gateway(tool_engine.url, tool_model, go, open_keys=False))
+
+
+def test_whitebox_episode(tool_engine, tool_model):
+    async def go():
+        chat = ChatTokens(AutoTokenizer.from_pretrained(tool_model), tool_model)
+        router = Router([tool_engine.url])
+        try:
+            ctx = AgentContext(PolicyLLM(router, chat, GREEDY), chat, registry_for(ROW.tools), AgentLimits())
+            traj = await run_episode(tool_loop, ctx, ROW, get_task("calculator"))
+            limited = AgentContext(PolicyLLM(router, chat, GREEDY), chat, registry_for(ROW.tools), AgentLimits(max_turns=1))
+            cut = await run_episode(tool_loop, limited, ROW, get_task("calculator"))
+            async def broken(ctx, task):
+                await ctx.generate()
+                raise KeyError("oops")
+            crashed = await run_episode(broken, AgentContext(PolicyLLM(router, chat, GREEDY), chat, registry_for(ROW.tools),
+                                                             AgentLimits()), ROW, get_task("calculator"))
+            return traj, cut, crashed, chat
+        finally:
+            await router.aclose()
+
+    traj, cut, crashed, chat = asyncio.run(go())
+    assert traj.status == "ok" and traj.answer == "The answer is 42" and traj.reward == 1.0
+    assert traj.info["turns"] == 2 and traj.info["tool_calls"] == 1
+    (chain,) = traj.chains
+    full = ROW.prompt + chain.messages[1:]
+    assert chain.ids == chat.prompt_ids(full, ROW.tools)[:len(chain.ids)]  # held ids == the template's, exactly
+    (s,) = traj.to_samples(0, 0, "calc")
+    inserted = chat.tok.decode([t for t, m in zip(s.response_ids, s.loss_mask) if not m], skip_special_tokens=False)
+    assert inserted == "\n<|im_start|>tool\n<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert cut.status == "truncated" and "max_turns=1" in cut.reason and cut.reward == 0.0
+    assert crashed.status == "failed" and "KeyError" in crashed.reason and crashed.chains[0].model_tokens > 0
+
+
+AGENTS = {
+    "crash": "import sys; sys.stdin.read(); sys.exit(3)",
+    "hang": "import time; time.sleep(60)",
+    "silent": "print('42')",
+    "garbage": ("import os, json, sys, urllib.request; sys.stdin.read(); req = urllib.request.Request("
+                "os.environ['OPENAI_BASE_URL'] + '/chat/completions', json.dumps({'messages': [{'role': 'user', "
+                "'content': 'x'}]}).encode(), {'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'], "
+                "'Content-Type': 'application/json'}); urllib.request.urlopen(req).read(); print('\\x00\\xff garbage')"),
+}
+
+
+def test_blackbox_agents(tool_engine, tool_model):
+    spec = get_task("calculator")
+
+    async def go(gw, server):
+        def runner(command, timeout_s=30.0):
+            return BlackBoxRunner(server, command, timeout_s=timeout_s, concurrency=4)
+
+        example = runner([sys.executable, str(ROOT / "examples" / "calc_agent_openai.py")])
+        good = await asyncio.gather(*[example.run(ROW, spec, f"ep{i}") for i in range(2)])
+        crash, hang, silent, garbage = await asyncio.gather(
+            runner([sys.executable, "-c", AGENTS["crash"]]).run(ROW, spec, "crash"),
+            runner([sys.executable, "-c", AGENTS["hang"]], timeout_s=2).run(ROW, spec, "hang"),
+            runner([sys.executable, "-c", AGENTS["silent"]]).run(ROW, spec, "silent"),
+            runner([sys.executable, "-c", AGENTS["garbage"]]).run(ROW, spec, "garbage"))
+        return good, crash, hang, silent, garbage
+
+    good, crash, hang, silent, garbage = asyncio.run(_with_gateway(tool_engine.url, tool_model, go, open_keys=False))
+    for t in good:
+        assert t.status == "ok" and t.answer == "The answer is 42" and t.reward == 1.0
+        assert t.info["calls"] == 2 and t.info["drifted_calls"] == 0 and t.info["tool_calls"] == 1
+        (s,) = t.to_samples(0, 0, "calc")  # two calls merged into one loss-masked sample
+        assert sum(s.loss_mask) < len(s.loss_mask) and s.loss_mask[0] == 1 and s.loss_mask[-1] == 1
+    assert crash.status == "failed" and "exited with code 3" in crash.reason
+    assert hang.status == "failed" and hang.reason.startswith("timeout")
+    assert silent.status == "failed" and silent.reason == "agent made no model call"
+    assert garbage.status == "ok" and garbage.reward == 0.0 and garbage.info["calls"] == 1
