@@ -16,6 +16,13 @@ def _engine(ns: argparse.Namespace) -> None:
     serve(ns.model, ns.host, ns.port, cfg, log_level=ns.log_level)
 
 
+def _serve(ns: argparse.Namespace) -> None:
+    from loongsage.agentflow.serve import serve
+
+    serve(ns.model, ns.host, ns.port, ns.record_dir, ns.engine_url, ns.threads, ns.context_length,
+          ns.max_new_tokens, ns.served_model_name)
+
+
 def _demo(ns: argparse.Namespace) -> None:
     from loongsage.config import load_config
     from loongsage.demo import run_demo
@@ -147,6 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cpu-affinity", default=None, help="comma-separated CPU cores to pin the engine to (Linux)")
     e.add_argument("--log-level", default="warning")
     e.set_defaults(fn=_engine)
+
+    sv = sub.add_parser("serve", help="a local model behind the OpenAI chat API (tool calls), every call recorded",
+                        description="Start an engine and the AgentFlow gateway: /v1/chat/completions (tools, streaming) "
+                                    "and /v1/models. The API key names the session; with --record-dir every model "
+                                    "call is one JSON line (exact prompt/output token ids, logprobs, weight version).")
+    sv.add_argument("--model", required=True, help="HF model folder")
+    sv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--record-dir", default=None, help="folder for calls.jsonl (default: no recording)")
+    sv.add_argument("--engine-url", default=None, help="use a running engine (embedded or SGLang) instead of starting one")
+    sv.add_argument("--threads", type=int, default=1, help="engine torch threads")
+    sv.add_argument("--context-length", type=int, default=None)
+    sv.add_argument("--max-new-tokens", type=int, default=512, help="cap per call when the client sets none")
+    sv.add_argument("--served-model-name", default=None, help="model id in /v1/models (default: folder name)")
+    sv.set_defaults(fn=_serve)
 
     d = sub.add_parser("demo", help="run the engine demo recipe (tiny model, task data, engine, verifier)",
                        description="Run the embedded-engine demo from a recipe YAML plus key=value overrides.")

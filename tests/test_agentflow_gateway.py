@@ -186,21 +186,33 @@ AGENTS = {
 }
 
 
-def test_blackbox_agents(tool_engine, tool_model):
+@pytest.mark.parametrize("preload", [False, True], ids=["subprocess", "forkserver"])
+def test_blackbox_agents(tool_engine, tool_model, tmp_path, preload):
     spec = get_task("calculator")
+    scripts = {"example": str(ROOT / "examples" / "calc_agent_openai.py")}
+    for name, code in AGENTS.items():
+        (tmp_path / f"{name}.py").write_text(code)
+        scripts[name] = str(tmp_path / f"{name}.py")
 
     async def go(gw, server):
-        def runner(command, timeout_s=30.0):
-            return BlackBoxRunner(server, command, timeout_s=timeout_s, concurrency=4)
+        runners = []
 
-        example = runner([sys.executable, str(ROOT / "examples" / "calc_agent_openai.py")])
-        good = await asyncio.gather(*[example.run(ROW, spec, f"ep{i}") for i in range(2)])
-        crash, hang, silent, garbage = await asyncio.gather(
-            runner([sys.executable, "-c", AGENTS["crash"]]).run(ROW, spec, "crash"),
-            runner([sys.executable, "-c", AGENTS["hang"]], timeout_s=2).run(ROW, spec, "hang"),
-            runner([sys.executable, "-c", AGENTS["silent"]]).run(ROW, spec, "silent"),
-            runner([sys.executable, "-c", AGENTS["garbage"]]).run(ROW, spec, "garbage"))
-        return good, crash, hang, silent, garbage
+        async def runner(name, timeout_s=30.0):
+            r = await BlackBoxRunner(server, [sys.executable, scripts[name]], timeout_s=timeout_s, concurrency=4,
+                                     preload=["openai"] if preload else None).start()
+            runners.append(r)
+            return r
+
+        try:
+            example = await runner("example")
+            good = await asyncio.gather(*[example.run(ROW, spec, f"ep{i}") for i in range(2)])
+            crash, hang, silent, garbage = await asyncio.gather(
+                (await runner("crash")).run(ROW, spec, "crash"), (await runner("hang", timeout_s=2)).run(ROW, spec, "hang"),
+                (await runner("silent")).run(ROW, spec, "silent"), (await runner("garbage")).run(ROW, spec, "garbage"))
+            return good, crash, hang, silent, garbage
+        finally:
+            for r in runners:
+                await r.stop()
 
     good, crash, hang, silent, garbage = asyncio.run(_with_gateway(tool_engine.url, tool_model, go, open_keys=False))
     for t in good:
@@ -212,3 +224,38 @@ def test_blackbox_agents(tool_engine, tool_model):
     assert hang.status == "failed" and hang.reason.startswith("timeout")
     assert silent.status == "failed" and silent.reason == "agent made no model call"
     assert garbage.status == "ok" and garbage.reward == 0.0 and garbage.info["calls"] == 1
+
+
+def test_loongsage_serve(tool_model, tmp_path):
+    """`loongsage serve`: engine + gateway as a command; the official client calls it with any key as
+    the session name and every call lands in RECORD_DIR/calls.jsonl."""
+    import subprocess
+
+    from openai import OpenAI
+
+    from loongsage.rollout.launcher import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "loongsage.cli", "serve", "--model", tool_model, "--port", str(port),
+                             "--record-dir", str(tmp_path), "--context-length", "512"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="carol", max_retries=0)
+        for _ in range(600):
+            try:
+                client.models.list()
+                break
+            except Exception:
+                if proc.poll() is not None:
+                    raise AssertionError(proc.stdout.read())
+                import time
+                time.sleep(0.1)
+        r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "6*7=?"}],
+                                           tools=[CALCULATOR_TOOL], temperature=0)
+        assert r.choices[0].message.tool_calls[0].function.name == "calculator"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    (line,) = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert line["session"] == "carol" and line["weight_version"] == "0"
+    assert len(line["output_ids"]) == len(line["output_logprobs"]) == r.usage.completion_tokens

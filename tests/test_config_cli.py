@@ -34,6 +34,11 @@ def test_yaml_plus_overrides_are_typed_and_nested(tmp_path):
     (["noequals"], "expected key=value"),
     (["sampling.max_new_tokens=600"], "must be below the context length"),
     (["task.train_path=a.jsonl"], "train_path and eval_path must be given together"),
+    (["agent.kind=blackbox"], "agent: agent.kind=blackbox needs agent.command"),
+    (["agent.kind=robot"], "agent.kind: Input should be 'single_turn', 'whitebox' or 'blackbox'"),
+    (["agent.kind=blackbox", "agent.command=[node, agent.js]", "agent.preload=[openai]"],
+     "agent.preload needs agent.command = ['{python}', 'script.py', ...]"),
+    (["agent.limits.max_turns=0"], "agent.limits.max_turns: Input should be greater than or equal to 1"),
 ])
 def test_config_errors_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:
@@ -58,7 +63,7 @@ def test_cli_reports_config_errors_on_stderr_with_exit_2(capsys):
 
 def test_help_everywhere():
     parser = build_parser()
-    for cmd in ["engine", "demo", "make-model", "data"]:
+    for cmd in ["engine", "demo", "make-model", "data", "serve"]:
         with pytest.raises(SystemExit) as info:
             parser.parse_args([cmd, "--help"])
         assert info.value.code == 0

@@ -4,6 +4,9 @@ The episode's task arrives on stdin as JSON ({"messages", "tools", "meta"}); OPE
 OPENAI_API_KEY point the program's SDK at its own gateway session; its final answer is the last
 non-empty line it prints. A crash, a hang (wall-clock timeout; the process group is killed) or no
 model call at all gives a failed trajectory with the reason; the run goes on.
+
+Python agents can be started from a fork server that has their heavy imports done (`agent.preload`):
+same process contract, a fraction of the start-up CPU.
 """
 from __future__ import annotations
 
@@ -11,20 +14,111 @@ import asyncio
 import json
 import os
 import signal
+import sys
+import tempfile
+from pathlib import Path
 
 from loongsage.agentflow.gateway import GatewayServer
 from loongsage.agentflow.trajectory import Trajectory
 from loongsage.tasks.base import TaskRow, TaskSpec
 
 
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class ForkServer:
+    """Client of loongsage/agentflow/forkserver.py: one server process, a forked child per episode."""
+
+    def __init__(self, modules: list[str], env: dict[str, str]):
+        self.modules, self.env = list(modules), env
+        self._proc: asyncio.subprocess.Process | None = None
+        self._waiting: dict[str, dict[str, asyncio.Future]] = {}
+        self._reader: asyncio.Task | None = None
+        self._next = 0
+
+    async def start(self) -> "ForkServer":
+        self._proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "loongsage.agentflow.forkserver", *self.modules, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env, limit=1 << 20)
+        line = await self._proc.stdout.readline()
+        if not line:
+            err = (await self._proc.stderr.read()).decode(errors="replace").strip().splitlines()[-1:] or ["?"]
+            raise RuntimeError(f"agent.preload: the fork server did not start ({err[0]})")
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    async def _read(self) -> None:
+        async for line in self._proc.stdout:
+            msg = json.loads(line)
+            futs = self._waiting.get(msg.get("id"))
+            if futs is None:
+                continue
+            key = "pid" if "pid" in msg else "exit"
+            if not futs[key].done():
+                futs[key].set_result(msg[key])
+        for futs in self._waiting.values():  # the server died: every waiting episode fails
+            for f in futs.values():
+                if not f.done():
+                    f.set_exception(RuntimeError("agent fork server exited"))
+
+    async def run(self, argv: list[str], env: dict[str, str], stdin: bytes, timeout_s: float) -> tuple[int, str, str]:
+        self._next += 1
+        rid = str(self._next)
+        loop = asyncio.get_running_loop()
+        futs = self._waiting[rid] = {"pid": loop.create_future(), "exit": loop.create_future()}
+        with tempfile.TemporaryDirectory(prefix="loongsage-agent-") as tmp:
+            paths = {k: str(Path(tmp) / k) for k in ("stdin", "stdout", "stderr")}
+            Path(paths["stdin"]).write_bytes(stdin)
+            self._proc.stdin.write((json.dumps({"id": rid, "argv": argv, "env": env, **paths}) + "\n").encode())
+            try:
+                await self._proc.stdin.drain()
+                pid = await futs["pid"]
+                try:
+                    code = await asyncio.wait_for(asyncio.shield(futs["exit"]), timeout_s)
+                except BaseException:
+                    _kill_group(pid)
+                    await asyncio.wait_for(asyncio.shield(futs["exit"]), 10)
+                    raise
+            finally:
+                self._waiting.pop(rid, None)
+            return code, Path(paths["stdout"]).read_text(errors="replace"), Path(paths["stderr"]).read_text(errors="replace")
+
+    async def stop(self) -> None:
+        if self._proc is not None and self._proc.returncode is None:
+            self._proc.stdin.close()
+            try:
+                await asyncio.wait_for(self._proc.wait(), 10)
+            except asyncio.TimeoutError:
+                self._proc.kill()
+                await self._proc.wait()
+        if self._reader is not None:
+            self._reader.cancel()
+
+
 class BlackBoxRunner:
     def __init__(self, server: GatewayServer, command: list[str], timeout_s: float, concurrency: int,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, preload: list[str] | None = None):
         if not command:
             raise ValueError("agent.command: the black-box agent's command line is empty")
+        if preload and (command[0] != sys.executable or len(command) < 2 or not command[1].endswith(".py")):
+            raise ValueError("agent.preload needs agent.command = ['{python}', 'script.py', ...] (a Python script)")
         self.server, self.command, self.timeout_s = server, list(command), timeout_s
         self.env = {**os.environ, **(env or {}), "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
         self._slots = asyncio.Semaphore(concurrency)
+        self.forkserver = ForkServer(preload, self.env) if preload else None
+
+    async def start(self) -> "BlackBoxRunner":
+        if self.forkserver is not None:
+            await self.forkserver.start()
+        return self
+
+    async def stop(self) -> None:
+        if self.forkserver is not None:
+            await self.forkserver.stop()
 
     async def run(self, row: TaskRow, spec: TaskSpec, name: str, sampling: dict | None = None) -> Trajectory:
         sessions = self.server.gateway.sessions
@@ -60,16 +154,15 @@ class BlackBoxRunner:
         messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
         task = json.dumps({"messages": messages, "tools": row.tools or [], "meta": row.meta}).encode()
         env = {**self.env, "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": key, "LOONGSAGE_SESSION": name}
+        if self.forkserver is not None:
+            return await self.forkserver.run(self.command[1:], env, task, self.timeout_s)
         proc = await asyncio.create_subprocess_exec(
             *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
         try:
             out, err = await asyncio.wait_for(proc.communicate(task), self.timeout_s)
         except BaseException:  # timeout or cancellation: the agent and its children go
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill_group(proc.pid)
             await proc.wait()
             raise
         return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")

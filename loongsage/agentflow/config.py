@@ -16,6 +16,8 @@ class AgentConfig(BaseModel):
                        "an async def run(ctx, task)")
     command: list[str] = Field(default_factory=list, description="blackbox: the agent program's command line "
                                "('{python}' is this interpreter); the task arrives on stdin as JSON")
+    preload: list[str] = Field(default_factory=list, description="blackbox, Python agents: modules to import "
+                               "once in a fork server that forks a process per episode (e.g. [openai])")
     limits: AgentLimits = AgentLimits()
     concurrency: int = Field(16, ge=1, description="black-box agent processes running at once")
     on_failure: Literal["zero", "mask"] = Field("zero", description="a failed episode scores 0 in its group "
@@ -26,4 +28,6 @@ class AgentConfig(BaseModel):
     def _command(self) -> "AgentConfig":
         if self.kind == "blackbox" and not self.command:
             raise ValueError("agent.kind=blackbox needs agent.command (the agent program's command line)")
+        if self.preload and (len(self.command) < 2 or self.command[0] != "{python}" or not self.command[1].endswith(".py")):
+            raise ValueError("agent.preload needs agent.command = ['{python}', 'script.py', ...] (a Python script)")
         return self

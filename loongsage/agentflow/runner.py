@@ -20,7 +20,6 @@ from loongsage.rollout.single_turn import sample_group
 from loongsage.sample import Group
 from loongsage.tasks.base import TaskRow, TaskSpec
 
-GREEDY = {"temperature": 0.0}
 _COUNTERS = ("turns", "tool_calls", "malformed_tool_calls", "later_calls", "drifted_calls")
 
 
@@ -42,10 +41,14 @@ class EpisodeRunner:
                               policy_sampling=self.sampling, max_prompt_tokens=self.cfg.limits.max_tokens)
             self.server = await GatewayServer(gateway, self.cfg.gateway_host).start()
             command = [sys.executable if part == "{python}" else part for part in self.cfg.command]
-            self._blackbox = BlackBoxRunner(self.server, command, self.cfg.limits.timeout_s, self.cfg.concurrency)
+            self._blackbox = await BlackBoxRunner(self.server, command, self.cfg.limits.timeout_s, self.cfg.concurrency,
+                                                  preload=self.cfg.preload).start()
         return self
 
     async def stop(self) -> None:
+        if self._blackbox is not None:
+            await self._blackbox.stop()
+            self._blackbox = None
         if self.server is not None:
             await self.server.stop()
             self.server = None
@@ -70,11 +73,13 @@ class EpisodeRunner:
             stats.update({k: t.info[k] for k in _COUNTERS if k in t.info})
         return Group(samples, [t.reward for t in trajs], row.tag, failed=stats["failed"], stats=dict(stats))
 
-    async def evaluate(self, rows: list[TaskRow]) -> dict[str, float]:
-        """Greedy held-out success: one episode per row, scored by the task's verifier."""
+    async def evaluate(self, rows: list[TaskRow], temperature: float = 0.0) -> dict[str, float]:
+        """Held-out success: one episode per row (greedy unless a temperature is given), scored by the
+        task's verifier."""
         if self.cfg.kind == "single_turn":
-            return await evaluate_single_turn(self.router, self.tok, rows, self.spec, self.max_new_tokens)
-        trajs = await asyncio.gather(*[self.episode(r, f"eval-{i}", GREEDY) for i, r in enumerate(rows)])
+            return await evaluate_single_turn(self.router, self.tok, rows, self.spec, self.max_new_tokens, temperature)
+        trajs = await asyncio.gather(*[self.episode(r, f"eval-{i}", {"temperature": temperature})
+                                       for i, r in enumerate(rows)])
         by_tag: dict[str, list[float]] = defaultdict(list)
         for row, t in zip(rows, trajs):
             by_tag[row.tag].append(t.reward if t.status != "failed" else 0.0)

@@ -10,6 +10,8 @@ class TrainLoopConfig(BaseModel):
     max_minutes: float | None = Field(None, gt=0, description="stop after this wall-clock budget")
     eval_every: int = Field(20, ge=1)
     eval_size: int | None = Field(None, ge=1, description="held-out rows per evaluation (default: all)")
+    eval_temperature: float = Field(0.0, ge=0.0, description="0: greedy; otherwise one sampled answer/episode "
+                                    "per row at this temperature (success of the policy as it samples)")
     save_every: int | None = Field(None, ge=1)
     target_accuracy: float | None = Field(None, gt=0, le=1, description="stop once held-out accuracy reaches this")
     controller_cpu_affinity: list[int] | None = Field(

@@ -1,4 +1,4 @@
-"""Held-out evaluation: greedy answers through the router, scored by the task's verifier."""
+"""Held-out evaluation: one answer per row through the router (greedy by default), scored by the task's verifier."""
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +9,10 @@ from loongsage.tasks.base import TaskRow, TaskSpec
 from loongsage.tasks.prepare import prompt_ids
 
 
-async def evaluate(router: Router, tokenizer, rows: list[TaskRow], spec: TaskSpec, max_new_tokens: int) -> dict[str, float]:
-    greedy = {"temperature": 0.0, "max_new_tokens": max_new_tokens}
-    outs = await asyncio.gather(*[router.generate(prompt_ids(tokenizer, r), greedy, return_logprob=False) for r in rows])
+async def evaluate(router: Router, tokenizer, rows: list[TaskRow], spec: TaskSpec, max_new_tokens: int,
+                   temperature: float = 0.0) -> dict[str, float]:
+    params = {"temperature": temperature, "max_new_tokens": max_new_tokens}
+    outs = await asyncio.gather(*[router.generate(prompt_ids(tokenizer, r), params, return_logprob=False) for r in rows])
     by_tag: dict[str, list[float]] = defaultdict(list)
     for row, out in zip(rows, outs):
         by_tag[row.tag].append(spec.reward(out[0].text, row))

@@ -73,7 +73,7 @@ async def train(cfg: RunConfig) -> dict:
     try:
         await runner.start()
         t_eval = time.perf_counter()
-        first = await runner.evaluate(eval_rows)
+        first = await runner.evaluate(eval_rows, cfg.train.eval_temperature)
         metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
                        "time/elapsed_s": time.perf_counter() - t_start})
         summary["eval_before"] = first["eval/accuracy"]
@@ -95,7 +95,7 @@ async def train(cfg: RunConfig) -> dict:
                     if evaluate_now:
                         t_eval = time.perf_counter()
                         with timeline.span("eval", f"eval {step}"):
-                            record.update(await runner.evaluate(eval_rows))
+                            record.update(await runner.evaluate(eval_rows, cfg.train.eval_temperature))
                         record["time/eval_s"] = time.perf_counter() - t_eval
                     _finish(record, clock, metrics, bar, task)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
@@ -111,7 +111,7 @@ async def train(cfg: RunConfig) -> dict:
         await producer.stop()  # the engines are free for the final evaluation
         producing = None
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
-            record = {"step": step, "version": step, **await runner.evaluate(eval_rows)}
+            record = {"step": step, "version": step, **await runner.evaluate(eval_rows, cfg.train.eval_temperature)}
             metrics.write(record)
         await rt.trainers.save(str(run_dir / "checkpoints" / "final"))
         summary.update(eval_after=record["eval/accuracy"], steps=step, train_seconds=time.perf_counter() - t_start)

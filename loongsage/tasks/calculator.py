@@ -61,15 +61,21 @@ def evaluate_expression(expression: str, max_len: int = 200) -> str:
     return str(value)
 
 
-def generate(n: int, seed: int = 0, digits: int = 4, exclude: set[str] | None = None) -> list[TaskRow]:
+def generate(n: int, seed: int = 0, digits: int = 4, exclude: set[str] | None = None,
+             tool_demo_rate: float = 1.0) -> list[TaskRow]:
+    """`tool_demo_rate`: the share of rows whose SFT demonstration uses the calculator; the others answer
+    directly (what a weak expert would do), so a bootstrapped policy calls the tool only sometimes."""
+    if not 0.0 <= tool_demo_rate <= 1.0:
+        raise ValueError(f"tool_demo_rate must be within [0, 1], got {tool_demo_rate}")
     rng = random.Random(seed)
     lo, hi = 10 ** (digits - 1), 10**digits - 1
 
     def draw() -> tuple[str, TaskRow]:
         x, y = rng.randint(lo, hi), rng.randint(lo, hi)
         question = f"{x}*{y}"
+        demo = "tool" if random.Random(f"{seed}-{question}").random() < tool_demo_rate else "direct"
         return question, TaskRow(prompt=[{"role": "user", "content": f"{question}=?"}], answer=str(x * y),
-                                 tag="calc", tools=[CALCULATOR_TOOL], meta={"expression": question})
+                                 tag="calc", tools=[CALCULATOR_TOOL], meta={"expression": question, "demo": demo})
 
     return draw_unique(n, draw, exclude)
 
@@ -81,7 +87,10 @@ def reward(response: str, row: TaskRow) -> float:
 
 
 def demonstration(row: TaskRow) -> list[dict]:
-    """Call the calculator with the expression, then answer with its result."""
+    """Call the calculator with the expression, then answer with its result (or, for rows marked
+    `direct`, answer at once)."""
+    if row.meta.get("demo") == "direct":
+        return [{"role": "assistant", "content": row.answer}]
     call = {"id": "call_0", "type": "function",
             "function": {"name": "calculator", "arguments": {"expression": row.meta["expression"]}}}
     return [{"role": "assistant", "content": "", "tool_calls": [call]},
