@@ -104,18 +104,24 @@ def test_sft_loss_falls_and_checkpoint_round_trips(ray_session, tiny_model, tmp_
         group.shutdown()
 
 
-@pytest.mark.parametrize("transport", ["collective", "shm"])
+RECEIVER = {"shm": Endpoint("engine-0", "a"), "collective": Endpoint("engine-0", "b"),
+            "disk": Endpoint("engine-0", "b", transports=("disk",))}
+
+
+@pytest.mark.parametrize("transport", ["collective", "shm", "disk"])
 def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tmp_path, transport):
     trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2), tiny_model)
     engines = EngineGroup(tiny_model, EngineConfig(max_running=16, context_length=128), RolloutConfig())
     try:
         async def go():
             router = Router(engines.urls)
-            # the engine's host decides the route: same host -> shm, another host -> collective
-            routes = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "a" if transport == "shm" else "b")])
+            # the engine's host and transports decide the route: same host -> shm, another host ->
+            # collective, nothing in common but files -> disk
+            routes = plan(Endpoint("trainer", "a"), [RECEIVER[transport]])
             sync = WeightMesh(routes, trainers, {"engine-0": engines.urls[0]}, "float32", bucket_mb=0.5,
-                              backend="gloo", verify_every=1)  # several buckets, every version checksummed
-            assert len(sync.buckets) > 1 and list(sync.parts) == [transport]
+                              backend="gloo", verify_every=1, disk_dir=str(tmp_path / "weights"))
+            assert list(sync.parts) == [transport]
+            assert len(sync.buckets) > 1 or transport == "disk"  # several buckets; every version checksummed
             await sync.setup()
             gaps = []
             for version in (1, 2):
@@ -140,6 +146,8 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
             await router.clients[0].update_weights_from_tensor(serialize_named_tensors({name: bad}), weight_version=2)
             with pytest.raises(RuntimeError, match="weight sync to version 2: checksum mismatch"):
                 await sync._verify(2, expected)
+            if transport == "disk":  # only the newest version's folder is kept
+                assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v2"]
             await router.aclose()
             await sync.aclose()
             return gaps, synced, info
@@ -151,6 +159,50 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
         for a, b in zip(synced, ref):
             assert a.output_ids == b.output_ids
             assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+    finally:
+        engines.shutdown()
+        trainers.shutdown()
+
+
+def test_two_host_mesh_relays_over_the_collective_and_fans_out(ray_session, tiny_model, tmp_path):
+    """Host ids overridden so the planner must route another host through one relay: engine-0 shares
+    the trainer's host (shm); engine-1 and engine-2 are on host b, engine-1 gets the collective and
+    fans it out to engine-2 over shared memory. Every engine is verified (version, exact checksum) and
+    serves exactly what a fresh engine on the exported checkpoint serves."""
+    trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2), tiny_model)
+    engines = EngineGroup(tiny_model, EngineConfig(max_running=8, context_length=64), RolloutConfig(num_engines=3))
+    prompts = [[20, 21], [30, 31, 32]]
+    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    try:
+        routes = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "a"), Endpoint("engine-1", "b"),
+                                                 Endpoint("engine-2", "b")])
+        assert [(r.receiver, r.transport, r.relay) for r in routes.routes] == [
+            ("engine-0", "shm", None), ("engine-1", "collective", None), ("engine-2", "relay_shm", "engine-1")]
+
+        async def go():
+            sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)}, "float32",
+                              bucket_mb=0.5, backend="gloo", verify_every=1)
+            assert sorted(sync.parts) == ["collective", "relay_shm", "shm"]
+            await sync.setup()
+            for version in (1, 2):
+                await trainers.train_step(policy_batch(seed=version), "policy", LossConfig())
+                res = await sync.push(version)  # raises unless every engine confirms and checksums match
+                assert res["time/weight_sync_relay_shm_s"] > 0 and res["weight_sync/bytes"] > 0
+            await trainers.save(str(tmp_path / "exported"))
+            router = Router(engines.urls)
+            outs = [await c.generate_batch(prompts, greedy) for c in router.clients]
+            infos = [await c.model_info() for c in router.clients]
+            await router.aclose()
+            await sync.aclose()
+            return outs, infos
+        outs, infos = asyncio.run(go())
+        assert [i["weight_version"] for i in infos] == ["2", "2", "2"]
+        with launch_engine(str(tmp_path / "exported")) as fresh:
+            ref = call(fresh.url, lambda c: c.generate_batch(prompts, greedy))
+        for per_engine in outs:
+            for a, b in zip(per_engine, ref):
+                assert a.output_ids == b.output_ids
+                assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
     finally:
         engines.shutdown()
         trainers.shutdown()

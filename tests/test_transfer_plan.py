@@ -62,6 +62,9 @@ def test_transfer_plan_command_prints_a_two_host_plan(capsys):
 def test_mesh_refuses_routes_without_a_transport_by_name():
     from loongsage.transfer.mesh import WeightMesh
 
-    routes = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "a", transports=("disk",))])
-    with pytest.raises(NotImplementedError, match=r"routes \['disk'\] \(for \['engine-0'\]\) are planned but have no"):
+    routes = plan(Endpoint("trainer", "a", "cuda:0"), [Endpoint("engine-0", "a", "cuda:0")])
+    with pytest.raises(NotImplementedError, match=r"routes \['cuda_ipc'\] \(for \['engine-0'\]\) are planned but have no"):
         WeightMesh(routes, None, {"engine-0": "http://127.0.0.1:1"}, "float32", 64.0, "gloo")
+    relayed = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "b"), Endpoint("engine-1", "b")])
+    with pytest.raises(ValueError, match="SGLang engines cannot relay"):
+        WeightMesh(relayed, None, {"engine-0": "u0", "engine-1": "u1"}, "float32", 64.0, "gloo", relay_capable=False)

@@ -54,7 +54,8 @@ class Runtime:
             sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)},
                               engine.dtype, rollout.weight_bucket_mb,
                               "nccl" if trainer.device.startswith("cuda") else "gloo",
-                              transfer.verify_every if rollout.engine == "embedded" else 0)  # SGLang: no checksum route
+                              transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
+                              transfer.disk_dir, relay_capable=rollout.engine == "embedded")
             await sync.setup()
         except BaseException:
             for group in (engines, trainers, reference):

@@ -24,8 +24,10 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
         weight_version=cfg.weight_version, enable_prefix_cache=cfg.prefix_cache,
     )
     core.start()
+    app = create_app(core)
     try:
-        uvicorn.run(create_app(core), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                     timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)
     finally:
+        app.state.shared.release()
         core.shutdown()

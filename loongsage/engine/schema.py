@@ -103,6 +103,12 @@ class DestroyGroup(_Strict):
     rid: str | None = None
 
 
+class ShareWeights(_Strict):
+    """LoongSage extension: a relay engine shares the weights it serves with same-host peers."""
+    receivers: int = Field(ge=1, le=1024)
+    bucket_mb: float = Field(64.0, gt=0)
+
+
 class UpdateFromDisk(_Strict):
     model_path: str
     load_format: str | None = None

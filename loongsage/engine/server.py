@@ -22,7 +22,8 @@ from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
-from loongsage.transfer.tensor_handles import deserialize_named_tensors, unflatten_bucket
+from loongsage.transfer.distributed_sync import plan_buckets
+from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors, unflatten_bucket
 
 log = logging.getLogger("loongsage.engine")
 MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -34,6 +35,7 @@ def error(status: int, message: str) -> JSONResponse:
 
 def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="LoongSage embedded engine (SGLang protocol)")
+    app.state.shared = SharedBuckets()  # relay fan-out buffers; released by the launcher at shutdown
     groups: dict[str, Any] = {}
     state = {"healthy": True}
 
@@ -272,6 +274,21 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
             return core.weight_version, weights_checksum(params, list(params))
         version, value = await on_core(lambda: compute(core.runner))
         return {"weight_version": version, "checksum": str(value)}
+
+    @app.post("/share_weights")
+    async def share_weights(request: Request):
+        """LoongSage extension (TransferMesh relay): copies the served weights into reused shared-memory
+        buckets and returns, per bucket, one `flattened_bucket` handle per same-host receiver."""
+        req = S.parse(S.ShareWeights, await body_of(request))
+
+        def pack():
+            params = list(core.runner.named_parameters().items())
+            meta = [(n, str(t.dtype), list(t.shape)) for n, t in params]
+            buckets = plan_buckets(meta, int(req.bucket_mb * 2**20), params[0][1].element_size())
+            held = app.state.shared.fill([[params[i] for i in b] for b in buckets])
+            return core.weight_version, app.state.shared.handles(req.receivers), held
+        version, handles, held = await on_core(pack)
+        return {"weight_version": version, "handles": handles, "bytes": held}
 
     @app.get("/get_server_info")
     async def server_info():

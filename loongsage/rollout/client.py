@@ -141,6 +141,10 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         return await self._post("/update_weights_from_tensor", body)
 
+    async def share_weights(self, receivers: int, bucket_mb: float = 64.0) -> dict:
+        """LoongSage extension (relay engines): {"weight_version", "handles": per bucket, per receiver}."""
+        return await self._post("/share_weights", {"receivers": receivers, "bucket_mb": bucket_mb})
+
     async def init_weights_update_group(self, **kw) -> dict:
         return await self._post("/init_weights_update_group", P.build_init_group(**kw))
 

@@ -80,8 +80,8 @@ class MetricSums:
         return {k: (v if k in ADDITIVE | MAXIMAL else v / max(self.weights[k], 1e-9)) for k, v in self.sums.items()}
 
 
-def write_hf_folder(out: Path, weights: dict[str, torch.Tensor], model_path: str, trainer_state: dict) -> None:
-    """An HF folder (loadable by engines and transformers) plus the trainer state."""
+def write_hf_folder(out: Path, weights: dict[str, torch.Tensor], model_path: str, trainer_state: dict | None) -> None:
+    """An HF folder (loadable by engines and transformers) plus the trainer state (if given)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -89,5 +89,6 @@ def write_hf_folder(out: Path, weights: dict[str, torch.Tensor], model_path: str
     for f in Path(model_path).iterdir():  # config, tokenizer, generation config, ...
         if f.is_file() and f.suffix not in (".safetensors", ".pt", ".bin") and f.name != "model.safetensors.index.json":
             shutil.copy(f, out / f.name)
-    torch.save(trainer_state, out / "trainer_state.pt")
-    (out / "loongsage_checkpoint.json").write_text(json.dumps({"version": trainer_state["version"]}))
+    if trainer_state is not None:
+        torch.save(trainer_state, out / "trainer_state.pt")
+        (out / "loongsage_checkpoint.json").write_text(json.dumps({"version": trainer_state["version"]}))

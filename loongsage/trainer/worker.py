@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -14,9 +15,10 @@ import torch.distributed as dist
 from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
+from loongsage.trainer.step import write_hf_folder
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
-from loongsage.transfer.tensor_handles import flat_layout, release_shared, serialize_payload, shared_buffer
+from loongsage.transfer.tensor_handles import SharedBuckets
 
 
 class TrainerRank:
@@ -31,7 +33,7 @@ class TrainerRank:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(minutes=10))
-        self.rank = rank
+        self.rank, self.model_path = rank, model_path
         if self.cfg.backend == "fsdp":
             from loongsage.trainer.fsdp import FSDPBackend
 
@@ -45,7 +47,7 @@ class TrainerRank:
         self.weight_group = None
         self._sender: threading.Thread | None = None
         self._send_error: BaseException | None = None
-        self._shm: list[tuple[torch.Tensor, list[dict]]] = []  # per bucket: reused shared buffer, its layout
+        self._shm = SharedBuckets()
 
     def where(self) -> tuple[str, str]:
         """(host id, device) for the TransferMesh planner."""
@@ -105,28 +107,24 @@ class TrainerRank:
         return weights_checksum(sd, names, dtype_from_name(dtype) if dtype else None)
 
     def pack_shared(self, buckets: list[list[str]], dtype: str | None, receivers: int = 1) -> tuple[list[list[str]], float]:
-        """Rank 0 copies the full weights into one shared buffer per bucket (allocated once, reused
-        every version: fresh shared memory is several times slower than a copy into a mapped one)
-        and returns, per bucket, one handle per receiver (`load_format="flattened_bucket"`): a
-        /dev/shm file name, so only the handle crosses HTTP. One handle per receiver, fresh each
-        version: pickling a shared tensor takes a reference that the receiver's unpickling returns."""
+        """Rank 0 copies the full weights into reused shared buffers, one per bucket, and returns per
+        bucket one handle per receiver (`load_format="flattened_bucket"`): only the handle crosses HTTP."""
         sd = self.backend.full_state_dict()
         if self.rank != 0:
             return [], 0.0
+        held = self._shm.fill([[(n, sd[n]) for n in names] for names in buckets], dtype_from_name(dtype) if dtype else None)
+        return self._shm.handles(receivers), held
+
+    def write_weights(self, path: str, names: list[str], dtype: str | None) -> float:
+        """Rank 0 writes the exported weights (in the receivers' dtype) as an HF folder: the disk
+        transport, which any engine can load (`/update_weights_from_disk`)."""
+        sd = self.backend.full_state_dict()
+        if self.rank != 0:
+            return 0.0
         cast = dtype_from_name(dtype) if dtype else None
-        if len(self._shm) != len(buckets):
-            for buf, _ in self._shm:
-                release_shared(buf)
-            self._shm = []
-            for names in buckets:
-                buf = shared_buffer(sum(sd[n].numel() for n in names), cast or sd[names[0]].dtype)
-                self._shm.append((buf, flat_layout([(n, sd[n]) for n in names])))
-        for buf, meta in self._shm:
-            for m in meta:  # copy (and cast) each tensor into its slice: no temporary
-                buf[m["start"]: m["end"]].copy_(sd[m["name"]].reshape(-1))
-        handles = [[serialize_payload({"flattened_tensor": buf, "metadata": meta}) for _ in range(receivers)]
-                   for buf, meta in self._shm]
-        return handles, float(sum(b.numel() * b.element_size() for b, _ in self._shm))
+        weights = {n: (sd[n].to(cast) if cast is not None else sd[n]) for n in names}
+        write_hf_folder(Path(path), weights, self.model_path, None)
+        return float(sum(t.numel() * t.element_size() for t in weights.values()))
 
     def _send(self, flats: list[torch.Tensor]) -> None:
         try:
@@ -153,8 +151,6 @@ class TrainerRank:
         return self.backend.version
 
     def shutdown(self) -> None:
-        for buf, _ in self._shm:
-            release_shared(buf)
-        self._shm = []
+        self._shm.release()
         if dist.is_initialized():
             dist.destroy_process_group()

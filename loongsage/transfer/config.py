@@ -14,6 +14,8 @@ class TransferConfig(BaseModel):
     verify_every: int = Field(10, ge=0, description="every N-th version, receivers' weight checksums must equal the "
                                                      "trainer's (one more pass over the weights on both sides); 0: never. Embedded "
                                                      "engines only: SGLang has no checksum route")
+    disk_dir: str | None = Field(None, description="disk routes: folder for the weight files, visible to their "
+                                 "receivers (default: a temporary folder on this machine)")
 
     def endpoint(self, name: str, host: str, device: str) -> Endpoint:
         """An endpoint as discovered (or assumed), with this section's overrides applied."""

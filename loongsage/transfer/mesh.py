@@ -8,11 +8,14 @@ import asyncio
 import ray
 
 from loongsage.transfer.config import TransferConfig
+from loongsage.transfer.disk_sync import DiskWeightSync
 from loongsage.transfer.distributed_sync import DistributedWeightSync
+from loongsage.transfer.relay_sync import RelayShmSync
 from loongsage.transfer.shm_sync import ShmWeightSync
 from loongsage.transfer.topology import Endpoint, Plan
+from loongsage.transfer.transport import WeightTransport
 
-EXECUTED = ("shm", "collective")  # routes with a transport today; the rest are planned only
+EXECUTED = ("shm", "collective", "relay_shm", "disk")  # routes with a transport today (cuda_ipc: planned only)
 
 
 def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoint, list[Endpoint]]:
@@ -25,21 +28,34 @@ def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoin
 
 class WeightMesh:
     def __init__(self, routes: Plan, trainers, urls: dict[str, str], engine_dtype: str, bucket_mb: float,
-                 backend: str, verify_every: int = 0):
+                 backend: str, verify_every: int = 0, disk_dir: str | None = None, relay_capable: bool = True):
         groups = routes.by_transport()
+        if "relay_shm" in groups and not relay_capable:
+            raise ValueError(f"TransferMesh: {groups['relay_shm']} would be fed by a relay engine, but SGLang engines "
+                             "cannot relay (no /share_weights); list their transfer.transports without 'shm' "
+                             "(they then take the disk route)")
         todo = sorted(set(groups) - set(EXECUTED))
         if todo:
             raise NotImplementedError(f"TransferMesh: routes {todo} (for {[n for t in todo for n in groups[t]]}) are "
                                       "planned but have no transport yet; set transfer.transports to avoid them")
         self.plan = routes
-        self.parts: dict[str, ShmWeightSync | DistributedWeightSync] = {}
+        self.parts: dict[str, WeightTransport] = {}
         if "shm" in groups:
             self.parts["shm"] = ShmWeightSync(trainers, [urls[n] for n in groups["shm"]], engine_dtype, bucket_mb)
         if "collective" in groups:
             self.parts["collective"] = DistributedWeightSync(trainers, [urls[n] for n in groups["collective"]],
                                                              engine_dtype, bucket_mb, backend)
-        first = next(iter(self.parts.values()))  # every part plans the same buckets
-        self.buckets = first.buckets
+        if "relay_shm" in groups:  # fed by the relays, after the collective part
+            peers: dict[str, list[str]] = {}
+            for r in routes.routes:
+                if r.transport == "relay_shm":
+                    peers.setdefault(urls[r.relay], []).append(urls[r.receiver])
+            self.parts["relay_shm"] = RelayShmSync(peers, bucket_mb)
+        if "disk" in groups:
+            self.parts["disk"] = DiskWeightSync(trainers, [urls[n] for n in groups["disk"]], engine_dtype, disk_dir)
+        first = next(p for p in self.parts.values() if hasattr(p, "bucket_names"))
+        # the run loop's in-place fast path (no explicit pause) needs one bucket on every route
+        self.buckets = max((p.buckets for p in self.parts.values()), key=len)
         self.names = [n for names in first.bucket_names for n in names]  # every exported tensor
         self.trainers, self.dtype, self.verify_every = trainers, engine_dtype, verify_every
 
@@ -53,8 +69,11 @@ class WeightMesh:
         return begun
 
     async def deliver(self, version: int, begun: dict) -> dict[str, float]:
-        names = list(self.parts)
+        names = [n for n in self.parts if n != "relay_shm"]
         results = await asyncio.gather(*[self.parts[n].deliver(version, begun[n]) for n in names])
+        if "relay_shm" in self.parts:  # the relays hold the version now: fan it out on their hosts
+            names.append("relay_shm")
+            results.append(await self.parts["relay_shm"].deliver(version, begun["relay_shm"]))
         if "checksum" in begun:
             await self._verify(version, (await asyncio.gather(*begun["checksum"]))[0])
         out = {"time/weight_sync_s": max(r["time/weight_sync_s"] for r in results),

@@ -88,6 +88,40 @@ def release_shared(t: torch.Tensor) -> None:
         pass
 
 
+class SharedBuckets:
+    """Flattened buckets in reused shared memory: one /dev/shm buffer per bucket, allocated when the
+    bucket layout first appears (fresh shared memory is several times slower than a copy into a
+    mapped buffer), refilled every version, released explicitly. Handles are made fresh per receiver
+    and version: pickling a shared tensor takes a reference that the receiver's unpickling returns.
+    The owner must not refill while a receiver may still be loading the previous version."""
+
+    def __init__(self) -> None:
+        self._bufs: list[tuple[torch.Tensor, list[dict]]] = []
+
+    def fill(self, buckets: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> float:
+        """Copies (and casts) every tensor into its slice; returns the bytes held."""
+        layout = [flat_layout(b) for b in buckets]
+        if [meta for _, meta in self._bufs] != layout:
+            self.release()
+            self._bufs = [(shared_buffer(sum(t.numel() for _, t in b), dtype or b[0][1].dtype), meta)
+                          for b, meta in zip(buckets, layout)]
+        with torch.no_grad():  # sources may be parameters; the buffers stay plain tensors
+            for (buf, meta), bucket in zip(self._bufs, buckets):
+                for m, (_, t) in zip(meta, bucket):  # no temporary: straight into the slice
+                    buf[m["start"]: m["end"]].copy_(t.reshape(-1))
+        return float(sum(b.numel() * b.element_size() for b, _ in self._bufs))
+
+    def handles(self, receivers: int) -> list[list[str]]:
+        """Per bucket, one `flattened_bucket` handle per receiver."""
+        return [[serialize_payload({"flattened_tensor": buf, "metadata": meta}) for _ in range(receivers)]
+                for buf, meta in self._bufs]
+
+    def release(self) -> None:
+        for buf, _ in self._bufs:
+            release_shared(buf)
+        self._bufs = []
+
+
 def serialize_payload(payload) -> str:
     """A handle for an already shared payload (e.g. a reused flattened bucket): no copy is made."""
     return _dump(payload)
