@@ -1,7 +1,9 @@
 """Weight-sync bandwidth per transport, side by side in one run, for payloads from ~10 MB to ~1 GB:
-memcpy into a reused buffer (the ceiling), the shared-memory path (sender copies into a reused
-/dev/shm buffer, receiver process copies out into its own weights), the collective (gloo broadcast
-to a receiver process), and the disk path (safetensors save, receiver loads and copies).
+memcpy into a reused buffer (the ceiling); the shared-memory path of embedded engines (one copy: the
+sender writes into the receiver's mapped standby buffer, the receiver flips to it); the two-copy
+shared-memory path SGLang takes (sender copies into a reused /dev/shm staging buffer, the receiver
+copies out into its own weights); the collective (gloo broadcast to a receiver process); and the
+disk path (safetensors save, receiver loads and copies).
 
     python benchmarks/weight_sync.py [--sizes-mb 10 100 1000] [--repeats 3]
 
@@ -38,6 +40,8 @@ def _receiver(kind: str, numel: int, repeats: int, port: int, shm: torch.Tensor 
         go.wait()
         go.clear()
         if kind == "shm":
+            weights = shm  # flip: the freshly written standby buffer becomes the weights
+        elif kind == "shm_two_copy":
             weights.copy_(shm)
         else:
             weights.copy_(load_file(path)["w"])
@@ -58,7 +62,7 @@ def measure(kind: str, numel: int, repeats: int) -> float:
         return min(times)
     ctx = mp.get_context("spawn")
     go, done = ctx.Event(), ctx.Event()
-    shm = torch.zeros(numel).share_memory_() if kind == "shm" else None
+    shm = torch.zeros(numel).share_memory_() if kind.startswith("shm") else None  # touched: resident, reused
     path = os.path.join(tempfile.mkdtemp(prefix="bench-disk-"), "w.safetensors") if kind == "disk" else None
     port = free_port()
     proc = ctx.Process(target=_receiver, args=(kind, numel, repeats, port, shm, path, go, done))
@@ -70,7 +74,7 @@ def measure(kind: str, numel: int, repeats: int) -> float:
         if kind == "collective":
             broadcast(group, src)
         else:
-            if kind == "shm":
+            if kind.startswith("shm"):
                 shm.copy_(src)
             else:
                 save_file({"w": src}, path)
@@ -91,13 +95,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rows = {}
-    print(f"{'size MB':>8s} {'memcpy':>8s} {'shm':>8s} {'collect.':>8s} {'disk':>8s}   (GB/s)")
+    kinds = ("memcpy", "shm", "shm_two_copy", "collective", "disk")
+    print(f"{'size MB':>8s} {'memcpy':>8s} {'shm':>8s} {'shm 2cp':>8s} {'collect.':>8s} {'disk':>8s}   (GB/s)")
     for mb in args.sizes_mb:
         numel = int(mb * 1e6 / 4)
-        gbps = {k: numel * 4 / 1e9 / measure(k, numel, args.repeats) for k in ("memcpy", "shm", "collective", "disk")}
+        gbps = {k: numel * 4 / 1e9 / measure(k, numel, args.repeats) for k in kinds}
         rows[mb] = gbps
-        print(f"{mb:8.0f} {gbps['memcpy']:8.2f} {gbps['shm']:8.2f} {gbps['collective']:8.2f} {gbps['disk']:8.2f}",
-              flush=True)
+        print(f"{mb:8.0f} " + " ".join(f"{gbps[k]:8.2f}" for k in kinds), flush=True)
     big = rows[max(rows)]
     out = {"size_mb": max(rows), **{f"{k}_gbps": round(v, 3) for k, v in big.items()},
            "shm_over_memcpy": round(big["shm"] / big["memcpy"], 3), "shm_over_disk": round(big["shm"] / big["disk"], 3)}

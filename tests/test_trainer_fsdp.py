@@ -104,11 +104,11 @@ def test_sft_loss_falls_and_checkpoint_round_trips(ray_session, tiny_model, tmp_
         group.shutdown()
 
 
-RECEIVER = {"shm": Endpoint("engine-0", "a"), "collective": Endpoint("engine-0", "b"),
-            "disk": Endpoint("engine-0", "b", transports=("disk",))}
+RECEIVER = {"shm": Endpoint("engine-0", "a"), "shm_handles": Endpoint("engine-0", "a"),
+            "collective": Endpoint("engine-0", "b"), "disk": Endpoint("engine-0", "b", transports=("disk",))}
 
 
-@pytest.mark.parametrize("transport", ["collective", "shm", "disk"])
+@pytest.mark.parametrize("transport", ["collective", "shm", "shm_handles", "disk"])
 def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tmp_path, transport):
     trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2), tiny_model)
     engines = EngineGroup(tiny_model, EngineConfig(max_running=16, context_length=128), RolloutConfig())
@@ -118,10 +118,13 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
             # the engine's host and transports decide the route: same host -> shm, another host ->
             # collective, nothing in common but files -> disk
             routes = plan(Endpoint("trainer", "a"), [RECEIVER[transport]])
+            # shm: one copy into the engine's mapped standby buffer; shm_handles: SGLang's way (staging
+            # buffers, the engine loads by handle)
             sync = WeightMesh(routes, trainers, {"engine-0": engines.urls[0]}, "float32", bucket_mb=0.5,
-                              backend="gloo", verify_every=1, disk_dir=str(tmp_path / "weights"))
-            assert list(sync.parts) == [transport]
-            assert len(sync.buckets) > 1 or transport == "disk"  # several buckets; every version checksummed
+                              backend="gloo", verify_every=1, disk_dir=str(tmp_path / "weights"),
+                              extensions=transport != "shm_handles")
+            assert list(sync.parts) == [transport.removesuffix("_handles")]
+            assert len(sync.buckets) > 1 or transport in ("disk", "shm")  # several buckets; every version checksummed
             await sync.setup()
             gaps = []
             for version in (1, 2):

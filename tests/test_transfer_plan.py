@@ -67,4 +67,4 @@ def test_mesh_refuses_routes_without_a_transport_by_name():
         WeightMesh(routes, None, {"engine-0": "http://127.0.0.1:1"}, "float32", 64.0, "gloo")
     relayed = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "b"), Endpoint("engine-1", "b")])
     with pytest.raises(ValueError, match="SGLang engines cannot relay"):
-        WeightMesh(relayed, None, {"engine-0": "u0", "engine-1": "u1"}, "float32", 64.0, "gloo", relay_capable=False)
+        WeightMesh(relayed, None, {"engine-0": "u0", "engine-1": "u1"}, "float32", 64.0, "gloo", extensions=False)

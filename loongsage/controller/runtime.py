@@ -55,7 +55,7 @@ class Runtime:
                               engine.dtype, rollout.weight_bucket_mb,
                               "nccl" if trainer.device.startswith("cuda") else "gloo",
                               transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
-                              transfer.disk_dir, relay_capable=rollout.engine == "embedded")
+                              transfer.disk_dir, extensions=rollout.engine == "embedded")
             await sync.setup()
         except BaseException:
             for group in (engines, trainers, reference):

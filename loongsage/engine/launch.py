@@ -30,4 +30,6 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
                     timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)
     finally:
         app.state.shared.release()
+        if app.state.mapped is not None:
+            app.state.mapped.release()
         core.shutdown()

@@ -109,6 +109,13 @@ class ShareWeights(_Strict):
     bucket_mb: float = Field(64.0, gt=0)
 
 
+class FlipWeights(_Strict):
+    """LoongSage extension: serve the standby mapped buffer the trainer has just written."""
+    standby: int = Field(ge=0, le=1)
+    weight_version: str | int | None = None
+    flush_cache: bool = True
+
+
 class UpdateFromDisk(_Strict):
     model_path: str
     load_format: str | None = None

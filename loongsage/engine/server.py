@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
+from loongsage.engine.mapped_weights import MappedWeights
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
@@ -36,6 +37,7 @@ def error(status: int, message: str) -> JSONResponse:
 def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAPI:
     app = FastAPI(title="LoongSage embedded engine (SGLang protocol)")
     app.state.shared = SharedBuckets()  # relay fan-out buffers; released by the launcher at shutdown
+    app.state.mapped = None  # MappedWeights once a same-host trainer mapped them; released at shutdown
     groups: dict[str, Any] = {}
     state = {"healthy": True}
 
@@ -289,6 +291,29 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
             return core.weight_version, app.state.shared.handles(req.receivers), held
         version, handles, held = await on_core(pack)
         return {"weight_version": version, "handles": handles, "bytes": held}
+
+    @app.post("/map_weights")
+    async def map_weights():
+        """LoongSage extension (one-copy same-host sync): the weights move into two shared buffers (the
+        active one and a standby one); returns a handle for each and which one is active."""
+        def build():
+            if app.state.mapped is None:
+                app.state.mapped = MappedWeights(core.runner.named_parameters())
+            m = app.state.mapped
+            return {"handles": m.handles(), "active": m.active, "bytes": m.nbytes}
+        try:
+            return await on_core(build)
+        except ValueError as exc:
+            return error(400, str(exc))
+
+    @app.post("/flip_weights")
+    async def flip_weights(request: Request):
+        """LoongSage extension: serve the standby buffer (written by the trainer) from the next step on."""
+        req = S.parse(S.FlipWeights, await body_of(request))
+        if app.state.mapped is None:
+            return error(400, "no mapped weights; call /map_weights first")
+        return await _apply(lambda r: app.state.mapped.flip(r.named_parameters(), req.standby), req.weight_version,
+                            req.flush_cache, False)
 
     @app.get("/get_server_info")
     async def server_info():

@@ -145,6 +145,16 @@ class EngineClient:
         """LoongSage extension (relay engines): {"weight_version", "handles": per bucket, per receiver}."""
         return await self._post("/share_weights", {"receivers": receivers, "bucket_mb": bucket_mb})
 
+    async def map_weights(self) -> dict:
+        """LoongSage extension (one-copy same-host sync): {"handles": [2], "active", "bytes"}."""
+        return await self._post("/map_weights")
+
+    async def flip_weights(self, standby: int, weight_version: str | int | None = None) -> dict:
+        body: dict[str, Any] = {"standby": standby}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        return await self._post("/flip_weights", body)
+
     async def init_weights_update_group(self, **kw) -> dict:
         return await self._post("/init_weights_update_group", P.build_init_group(**kw))
 

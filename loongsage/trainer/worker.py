@@ -18,7 +18,7 @@ from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import write_hf_folder
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
-from loongsage.transfer.tensor_handles import SharedBuckets
+from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors
 
 
 class TrainerRank:
@@ -48,6 +48,7 @@ class TrainerRank:
         self._sender: threading.Thread | None = None
         self._send_error: BaseException | None = None
         self._shm = SharedBuckets()
+        self._mapped: dict[str, list[dict]] = {}  # receiver -> its two mapped weight buffers
 
     def where(self) -> tuple[str, str]:
         """(host id, device) for the TransferMesh planner."""
@@ -115,6 +116,31 @@ class TrainerRank:
         held = self._shm.fill([[(n, sd[n]) for n in names] for names in buckets], dtype_from_name(dtype) if dtype else None)
         return self._shm.handles(receivers), held
 
+    def map_receivers(self, handles: dict[str, list[str]]) -> bool:
+        """Rank 0 maps each same-host receiver's two weight buffers (`/map_weights`) once."""
+        if self.rank == 0:
+            self._mapped = {name: [deserialize_named_tensors(h) for h in pair] for name, pair in handles.items()}
+        return True
+
+    def write_mapped(self, targets: dict[str, int]) -> float:
+        """Rank 0 writes the exported weights straight into each receiver's standby buffer (`targets`:
+        receiver -> buffer index), casting to the receiver's dtype: the only copy of a same-host sync.
+        Runs before the next train step, so it is a snapshot of this version."""
+        sd = self.backend.full_state_dict()
+        if self.rank != 0:
+            return 0.0
+        written = 0.0
+        with torch.no_grad():
+            for name, idx in targets.items():
+                payload = self._mapped[name][idx]
+                flat = payload["flattened_tensor"]
+                for m in payload["metadata"]:
+                    if m["name"] not in sd:
+                        raise KeyError(f"receiver {name} maps {m['name']!r}, which the trainer does not export")
+                    flat[m["start"]:m["end"]].copy_(sd[m["name"]].reshape(-1))
+                written = float(flat.numel() * flat.element_size())
+        return written
+
     def write_weights(self, path: str, names: list[str], dtype: str | None) -> float:
         """Rank 0 writes the exported weights (in the receivers' dtype) as an HF folder: the disk
         transport, which any engine can load (`/update_weights_from_disk`)."""
@@ -152,5 +178,6 @@ class TrainerRank:
 
     def shutdown(self) -> None:
         self._shm.release()
+        self._mapped = {}
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -11,6 +11,7 @@ from loongsage.transfer.config import TransferConfig
 from loongsage.transfer.disk_sync import DiskWeightSync
 from loongsage.transfer.distributed_sync import DistributedWeightSync
 from loongsage.transfer.relay_sync import RelayShmSync
+from loongsage.transfer.shm_mapped_sync import MappedShmSync
 from loongsage.transfer.shm_sync import ShmWeightSync
 from loongsage.transfer.topology import Endpoint, Plan
 from loongsage.transfer.transport import WeightTransport
@@ -28,9 +29,11 @@ def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoin
 
 class WeightMesh:
     def __init__(self, routes: Plan, trainers, urls: dict[str, str], engine_dtype: str, bucket_mb: float,
-                 backend: str, verify_every: int = 0, disk_dir: str | None = None, relay_capable: bool = True):
+                 backend: str, verify_every: int = 0, disk_dir: str | None = None, extensions: bool = True):
+        """`extensions`: the receivers are embedded engines, with LoongSage's routes (/map_weights,
+        /share_weights, /weights_checksum); SGLang servers are not."""
         groups = routes.by_transport()
-        if "relay_shm" in groups and not relay_capable:
+        if "relay_shm" in groups and not extensions:
             raise ValueError(f"TransferMesh: {groups['relay_shm']} would be fed by a relay engine, but SGLang engines "
                              "cannot relay (no /share_weights); list their transfer.transports without 'shm' "
                              "(they then take the disk route)")
@@ -40,8 +43,10 @@ class WeightMesh:
                                       "planned but have no transport yet; set transfer.transports to avoid them")
         self.plan = routes
         self.parts: dict[str, WeightTransport] = {}
-        if "shm" in groups:
-            self.parts["shm"] = ShmWeightSync(trainers, [urls[n] for n in groups["shm"]], engine_dtype, bucket_mb)
+        if "shm" in groups:  # one copy into engine-owned buffers; SGLang: staging buffers + handles (two copies)
+            shm_urls = [urls[n] for n in groups["shm"]]
+            self.parts["shm"] = (MappedShmSync(trainers, shm_urls) if extensions
+                                 else ShmWeightSync(trainers, shm_urls, engine_dtype, bucket_mb))
         if "collective" in groups:
             self.parts["collective"] = DistributedWeightSync(trainers, [urls[n] for n in groups["collective"]],
                                                              engine_dtype, bucket_mb, backend)
