@@ -157,3 +157,12 @@ def test_trajectory_samples():
     assert s.response_ids == [3, 4, 5, 6] and s.loss_mask == [1, 1, 0, 1] and s.versions == [2, 3, -1, 3]
     assert s.min_version == 2 and s.reward == 1.0 and s.info["rollout"] == 3 and s.group == 7
     assert t.fail("boom").status == "failed" and t.reward == 0.0
+
+
+def test_stream_shows_only_what_is_surely_content():
+    from loongsage.agentflow.openai_protocol import visible_content
+
+    assert visible_content("Let me compute") == "Let me compute"
+    assert visible_content("ok <tool_call>{\"name\"") == "ok "
+    assert visible_content("ok <tool_c") == "ok "  # might become a tool call: held back
+    assert visible_content("a < b") == "a < b"

@@ -3,7 +3,8 @@
 Any program that speaks the OpenAI API (with tools) talks to its own session; the gateway turns each
 request into token ids (extending the session's held ids when the request continues an earlier
 call), samples through the router, parses tool calls, records the exact ids / logprobs / versions,
-and answers in OpenAI's format. Bad input is a 4xx with one clear message, never a 5xx.
+and answers in OpenAI's format (streamed as it is generated, when asked). Bad input is a 4xx with
+one clear message, never a 5xx.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import asyncio
 import json
 import socket
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -45,7 +46,7 @@ class Gateway:
             out["max_new_tokens"] = min(cap, asked.get("max_new_tokens", cap))
         return out
 
-    async def complete(self, session: Session, req: O.ChatCompletionRequest) -> tuple[ModelTurn, int]:
+    def _place(self, session: Session, req: O.ChatCompletionRequest):
         messages, tools = req.template_messages(), req.template_tools()
         try:
             chain, extends = session.place(self.chat, messages, tools)
@@ -54,11 +55,10 @@ class Gateway:
         prompt = chain.ids
         if self.max_prompt_tokens is not None and len(prompt) >= self.max_prompt_tokens:
             raise O.RequestError(f"messages: {len(prompt)} prompt tokens, the model's limit is {self.max_prompt_tokens}")
-        session.busy.add(id(chain))
-        try:
-            turn = await self.llm.generate(prompt, self._sampling(req, session), session=f"gw-{session.name}")
-        finally:
-            session.busy.discard(id(chain))
+        return chain, extends, prompt
+
+    def _commit(self, session: Session, chain, extends: bool, prompt: list[int], turn: ModelTurn) -> None:
+        """The turn joins its chain and the session's records (and the record file)."""
         chain.add_model_turn(turn.output_ids, turn.logprobs, turn.versions)
         chain.messages.append(turn.message())
         chain.last_stop = turn.stopped_with
@@ -74,7 +74,50 @@ class Gateway:
         session.records.append(record)
         if self.recorder is not None:
             self.recorder.write(record)
+
+    async def complete(self, session: Session, req: O.ChatCompletionRequest) -> tuple[ModelTurn, int]:
+        chain, extends, prompt = self._place(session, req)
+        session.busy.add(id(chain))
+        try:
+            turn = await self.llm.generate(prompt, self._sampling(req, session), session=f"gw-{session.name}")
+        finally:
+            session.busy.discard(id(chain))
+        self._commit(session, chain, extends, prompt, turn)
         return turn, len(prompt)
+
+    async def complete_stream(self, session: Session, req: O.ChatCompletionRequest) -> AsyncIterator[str]:
+        """Content streams as the engine generates it; anything from a `<tool_call>` on is held back and
+        sent as parsed tool calls at the end (or as content, if the call turns out malformed)."""
+        chain, extends, prompt = self._place(session, req)  # a bad request fails before the stream starts
+        enc = O.StreamEncoder(req.model or self.model_name)
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+
+        async def events() -> AsyncIterator[str]:
+            session.busy.add(id(chain))
+            sent, turn = 0, None
+            try:
+                yield enc.delta({"role": "assistant", "content": ""})
+                async for text, turn in self.llm.stream(prompt, self._sampling(req, session), f"gw-{session.name}"):
+                    show = O.visible_content(text) if turn is None else (
+                        turn.text[:turn.text.find(O.OPEN)] if turn.parsed.tool_calls else turn.text)
+                    if len(show) > sent:
+                        yield enc.delta({"content": show[sent:]})
+                        sent = len(show)
+            except EngineError as exc:
+                yield enc.error(f"inference engine error: {exc.message}")
+                yield enc.DONE
+                return
+            finally:
+                session.busy.discard(id(chain))
+            self._commit(session, chain, extends, prompt, turn)
+            for chunk in enc.tool_calls(turn):
+                yield chunk
+            yield enc.delta({}, O.finish_reason(turn))
+            if include_usage:
+                yield enc.usage(turn, len(prompt))
+            yield enc.DONE
+
+        return events()
 
     def app(self) -> FastAPI:
         app = FastAPI(title="LoongSage gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -120,18 +163,15 @@ class Gateway:
             if session is None:
                 return fail(401, "invalid or missing API key", "authentication_error")
             req = O.parse_request(await body_of(request))
+            if req.stream:
+                return StreamingResponse(await self.complete_stream(session, req), media_type="text/event-stream")
             try:
                 turn, prompt_tokens = await self.complete(session, req)
             except EngineError as exc:
                 if 400 <= exc.status < 500:
                     return fail(400, exc.message)
                 return fail(502, f"inference engine error: {exc.message}", "api_error")
-            model = req.model or self.model_name
-            if req.stream:
-                include_usage = bool((req.stream_options or {}).get("include_usage"))
-                return StreamingResponse(O.stream_events(turn, model, prompt_tokens, include_usage),
-                                         media_type="text/event-stream")
-            return O.completion(turn, model, prompt_tokens)
+            return O.completion(turn, req.model or self.model_name, prompt_tokens)
 
         @app.post("/v1/loongsage/reward")
         async def post_reward(request: Request):

@@ -3,6 +3,7 @@ sampled ids come back with their logprobs and per-token policy versions, never r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 from loongsage.agentflow.chat_tokens import ChatTokens
 from loongsage.agentflow.toolcalls import ParsedTurn, parse_tool_calls
@@ -36,6 +37,23 @@ class PolicyLLM:
                        rid: str | None = None) -> ModelTurn:
         params = {**self.sampling, **(sampling or {}), "n": 1}
         out = (await self.router.generate(ids, params, session=session, return_logprob=True, rid=rid))[0]
+        return self._turn(out)
+
+    async def stream(self, ids: list[int], sampling: dict | None = None,
+                     session: str | None = None) -> AsyncIterator[tuple[str, ModelTurn | None]]:
+        """(text so far, None) while the turn is generated, then (full text, the turn)."""
+        params = {**self.sampling, **(sampling or {}), "n": 1}
+        last = None
+        async for out in self.router.generate_stream(ids, params, session=session, return_logprob=True):
+            last = out
+            if not out.finish_reason:
+                yield self.chat.turn_text(out.output_ids), None
+        if last is None:
+            raise RuntimeError("the engine closed the stream without a result")
+        turn = self._turn(last)
+        yield turn.text, turn
+
+    def _turn(self, out) -> ModelTurn:
         text = self.chat.turn_text(out.output_ids)
         last = out.output_ids[-1] if out.output_ids else None
         stop = last if out.finish_type == "stop" and last in self.chat.stop_ids else None

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from loongsage.agentflow.llm import ModelTurn
+from loongsage.agentflow.toolcalls import OPEN
 
 
 class RequestError(ValueError):
@@ -105,26 +106,43 @@ def usage(turn: ModelTurn, prompt_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": n, "total_tokens": prompt_tokens + n}
 
 
-def stream_events(turn: ModelTurn, model: str, prompt_tokens: int, include_usage: bool, piece: int = 16):
-    """SSE lines of a finished turn: role, content in pieces, tool calls, finish (and usage)."""
-    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+class StreamEncoder:
+    """SSE chunks of one streamed completion (OpenAI's chat.completion.chunk objects)."""
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        obj = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}] if delta is not None else [],
-               **extra}
+    def __init__(self, model: str):
+        self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model
+
+    def _chunk(self, choices: list, **extra) -> str:
+        obj = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+               "choices": choices, **extra}
         return f"data: {json.dumps(obj)}\n\n"
 
-    yield chunk({"role": "assistant", "content": ""})
-    text = turn.parsed.content
-    for i in range(0, len(text), piece):
-        yield chunk({"content": text[i:i + piece]})
-    for i, call in enumerate(turn.parsed.tool_calls):
-        yield chunk({"tool_calls": [{"index": i, **call.to_openai()}]})
-    yield chunk({}, finish_reason(turn))
-    if include_usage:
-        yield chunk(None, usage=usage(turn, prompt_tokens))
-    yield "data: [DONE]\n\n"
+    def delta(self, delta: dict, finish: str | None = None) -> str:
+        return self._chunk([{"index": 0, "delta": delta, "finish_reason": finish}])
+
+    def tool_calls(self, turn: ModelTurn) -> list[str]:
+        return [self.delta({"tool_calls": [{"index": i, **call.to_openai()}]})
+                for i, call in enumerate(turn.parsed.tool_calls)]
+
+    def usage(self, turn: ModelTurn, prompt_tokens: int) -> str:
+        return self._chunk([], usage=usage(turn, prompt_tokens))
+
+    def error(self, message: str) -> str:
+        return f"data: {json.dumps(error_body(message, 'api_error'))}\n\n"
+
+    DONE = "data: [DONE]\n\n"
+
+
+def visible_content(text: str) -> str:
+    """The part of a partial turn that is content for sure: before any tool call, and without a tail
+    that could be the start of one."""
+    cut = text.find(OPEN)
+    if cut >= 0:
+        return text[:cut]
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return text[:-k]
+    return text
 
 
 def error_body(message: str, kind: str = "invalid_request_error") -> dict[str, Any]:

@@ -3,6 +3,7 @@ to the engine that holds its prefix cache."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import AsyncIterator
 
 from loongsage.rollout import protocol as P
 from loongsage.rollout.client import EngineClient
@@ -38,6 +39,17 @@ class Router:
         finally:
             self.outstanding[idx] -= 1
         return [P.parse_generate(r) for r in (res if isinstance(res, list) else [res])]
+
+    async def generate_stream(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
+                              **kw) -> AsyncIterator[P.GenerateOutput]:
+        """One prompt, one sample, as cumulative snapshots while it is generated (the last is final)."""
+        idx = self.pick(session)
+        self.outstanding[idx] += 1
+        try:
+            async for chunk in self.clients[idx].generate_stream(input_ids, sampling_params, **kw):
+                yield P.parse_generate(chunk)
+        finally:
+            self.outstanding[idx] -= 1
 
     async def aclose(self) -> None:
         for c in self.clients:
