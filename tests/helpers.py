@@ -54,10 +54,14 @@ def policy_batch(seed: int = 0, n: int = 6) -> TrainBatch:
     return collate(samples, 0)
 
 
-def scripted_tool_model(out_dir: str, steps: int = 200) -> str:
-    """A tiny Qwen3 trained (seconds, plain torch) to one calculator episode: to any question it calls
-    `calculator` with "6*7"; after a tool result it answers "The answer is 42". Greedy decoding then
-    gives deterministic tool calls, so gateway and agent tests see real parsed calls from a real engine."""
+MALFORMED_CALL = '<tool_call>{"name": "calculator", "arguments": {</tool_call>'
+
+
+def scripted_tool_model(out_dir: str, steps: int = 280) -> str:
+    """A tiny Qwen3 trained (seconds, plain torch) to one calculator episode: to a question it calls
+    `calculator` with "6*7"; after a tool result it answers "The answer is 42"; to "oops=?" it writes a
+    malformed call. Greedy decoding then gives deterministic tool calls, so gateway and agent tests see
+    real parsed (and unparsable) calls from a real engine."""
     from transformers import AutoTokenizer
 
     from loongsage.agentflow.chat_tokens import ChatTokens
@@ -74,6 +78,8 @@ def scripted_tool_model(out_dir: str, steps: int = 200) -> str:
             {"role": "assistant", "content": "The answer is 42"}]
     chains = [demonstration_chain(chat, [{"role": "user", "content": q}], [CALCULATOR_TOOL], demo)
               for q in ("6*7=?", "What is 6 times 7?", "12*3=?")]
+    chains.append(demonstration_chain(chat, [{"role": "user", "content": "oops=?"}], [CALCULATOR_TOOL],
+                                      [{"role": "assistant", "content": MALFORMED_CALL}]))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     rows = [torch.tensor([c.ids]) for c in chains]

@@ -13,7 +13,7 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 from transformers import AutoTokenizer
 
-from helpers import with_client
+from helpers import MALFORMED_CALL, with_client
 from loongsage.agentflow.agents import tool_loop
 from loongsage.agentflow.blackbox import BlackBoxRunner
 from loongsage.agentflow.chat_tokens import ChatTokens
@@ -60,6 +60,14 @@ def test_openai_client_tool_call_round_trip(tool_engine, tool_model, tmp_path):
         assert r2.usage.prompt_tokens > r1.usage.prompt_tokens + r1.usage.completion_tokens
         models = await client.models.list()
         assert [m.id for m in models.data] == ["policy"]
+        # a malformed tool call comes back as plain content, counted, never as a half-parsed call
+        other = AsyncOpenAI(base_url=server.base_url, api_key="mallory", max_retries=0)
+        bad = await other.chat.completions.create(model="policy", messages=[{"role": "user", "content": "oops=?"}],
+                                                  tools=[CALCULATOR_TOOL], temperature=0)
+        assert bad.choices[0].message.tool_calls is None and bad.choices[0].message.content == MALFORMED_CALL
+        assert bad.choices[0].finish_reason == "stop"
+        mallory = gw.sessions.lookup("mallory")
+        assert mallory.malformed_tool_calls == 1 and mallory.records[-1]["malformed_tool_calls"] == 1
         # the recorded ids are the engine's own output for exactly the recorded prompt
         session = gw.sessions.lookup("alice")
         assert [r["extends"] for r in session.records] == [False, True] and session.drift_rate == 0.0
@@ -73,7 +81,8 @@ def test_openai_client_tool_call_round_trip(tool_engine, tool_model, tmp_path):
 
     records = asyncio.run(_with_gateway(tool_engine.url, tool_model, go, record_dir=tmp_path))
     lines = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert len(lines) == 2 and lines[1]["output_ids"] == records[1]["output_ids"]
+    assert [x["session"] for x in lines] == ["alice", "alice", "mallory"]
+    assert lines[1]["output_ids"] == records[1]["output_ids"]
     assert {"session", "prompt_ids", "output_ids", "output_logprobs", "weight_version"} <= set(lines[0])
 
 
@@ -100,7 +109,12 @@ def test_openai_client_streaming(tool_engine, tool_model):
                                                                 stream=True):
             pieces += [ch.delta.content for ch in chunk.choices if ch.delta.content]
         assert "".join(pieces) == "The answer is 42" and len(pieces) > 3  # streamed while it was generated
-        assert [r["extends"] for r in gw.sessions.lookup("bob").records] == [False, True]
+        bad = []
+        async for chunk in await client.chat.completions.create(
+                model="policy", messages=[{"role": "user", "content": "oops=?"}], tools=[CALCULATOR_TOOL], stream=True):
+            bad += [(ch.delta.content, ch.delta.tool_calls) for ch in chunk.choices if ch.delta.content or ch.delta.tool_calls]
+        assert "".join(c for c, _ in bad) == MALFORMED_CALL and not any(t for _, t in bad)
+        assert [r["extends"] for r in gw.sessions.lookup("bob").records] == [False, True, False]  # + the oops call
 
     asyncio.run(_with_gateway(tool_engine.url, tool_model, go))
 
@@ -182,7 +196,7 @@ AGENTS = {
     "garbage": ("import os, json, sys, urllib.request; sys.stdin.read(); req = urllib.request.Request("
                 "os.environ['OPENAI_BASE_URL'] + '/chat/completions', json.dumps({'messages': [{'role': 'user', "
                 "'content': 'x'}]}).encode(), {'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'], "
-                "'Content-Type': 'application/json'}); urllib.request.urlopen(req).read(); print('\\x00\\xff garbage')"),
+                "'Content-Type': 'application/json'}); urllib.request.urlopen(req).read(); sys.stdout.buffer.write(b'\\xff\\xfe\\x00 garbage')"),
 }
 
 
@@ -223,7 +237,7 @@ def test_blackbox_agents(tool_engine, tool_model, tmp_path, preload):
     assert crash.status == "failed" and "exited with code 3" in crash.reason
     assert hang.status == "failed" and hang.reason.startswith("timeout")
     assert silent.status == "failed" and silent.reason == "agent made no model call"
-    assert garbage.status == "ok" and garbage.reward == 0.0 and garbage.info["calls"] == 1
+    assert garbage.status == "failed" and "unreadable output" in garbage.reason and garbage.info["calls"] == 1
 
 
 def test_loongsage_serve(tool_model, tmp_path):

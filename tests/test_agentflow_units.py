@@ -166,3 +166,14 @@ def test_stream_shows_only_what_is_surely_content():
     assert visible_content("ok <tool_call>{\"name\"") == "ok "
     assert visible_content("ok <tool_c") == "ok "  # might become a tool call: held back
     assert visible_content("a < b") == "a < b"
+
+
+def test_a_turn_cut_short_gets_the_end_marker_inserted(chat):
+    prompt = [{"role": "user", "content": "hi"}]
+    chain = Chain(chat.prompt_ids(prompt), messages=list(prompt))
+    cut = chat.encode("Hello the")  # max_new_tokens reached: no end token sampled
+    chain.add_model_turn(cut, [0.0] * len(cut), [0] * len(cut))
+    chain.messages.append({"role": "assistant", "content": "Hello the"})
+    more = [{"role": "user", "content": "go on"}]
+    chain.add_inserted(chat.continuation_ids(chain.messages, more, None, None))
+    assert chain.ids == chat.prompt_ids(prompt + [{"role": "assistant", "content": "Hello the"}] + more)

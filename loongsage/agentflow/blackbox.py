@@ -143,6 +143,8 @@ class BlackBoxRunner:
             return traj.fail(f"agent exited with code {code}: {tail[0][:300]}")
         if session.calls == 0:
             return traj.fail("agent made no model call")
+        if "\ufffd" in out or "\x00" in out:
+            return traj.fail("agent printed unreadable output (not UTF-8 text)")
         lines = [line.strip() for line in out.splitlines() if line.strip()]
         traj.answer = lines[-1] if lines else ""
         if any(r["finish_reason"] == "length" for r in session.records):

@@ -36,7 +36,8 @@ class ChatTokens:
                          ended_with: int | None = None) -> list[int]:
         """Ids to append after a model turn (the last message of `history`, whose last sampled token
         was `ended_with`) so that the held ids continue as the template renders `history + new`,
-        ending with the generation prompt."""
+        ending with the generation prompt. A turn cut short (`ended_with` None) gets the template's
+        end-of-turn marker inserted."""
         before = self.render(history, tools, add_generation_prompt=False)
         after = self.render(history + new, tools, add_generation_prompt=True)
         if not after.startswith(before):
@@ -47,6 +48,10 @@ class ChatTokens:
             end = self.tok.decode([ended_with], skip_special_tokens=False)
             cut = before.rfind(end) if end else -1
             glue = before[cut + len(end):] if cut >= 0 else ""
+        elif history and history[-1].get("role") == "assistant":
+            ends = [before.rfind(self.tok.decode([t], skip_special_tokens=False)) for t in self.stop_ids]
+            cut = max(ends, default=-1)
+            glue = before[cut:] if cut >= 0 else ""
         return self.encode(glue + after[len(before):])
 
     def assistant_ids(self, history: list[dict], message: dict, tools: list[dict] | None = None) -> list[int]:

@@ -89,11 +89,11 @@ class Gateway:
         """Content streams as the engine generates it; anything from a `<tool_call>` on is held back and
         sent as parsed tool calls at the end (or as content, if the call turns out malformed)."""
         chain, extends, prompt = self._place(session, req)  # a bad request fails before the stream starts
+        session.busy.add(id(chain))  # from placement on: no other call may extend this chain meanwhile
         enc = O.StreamEncoder(req.model or self.model_name)
         include_usage = bool((req.stream_options or {}).get("include_usage"))
 
         async def events() -> AsyncIterator[str]:
-            session.busy.add(id(chain))
             sent, turn = 0, None
             try:
                 yield enc.delta({"role": "assistant", "content": ""})

@@ -35,7 +35,7 @@ class Session:
         want = [normalize_message(m) for m in messages]
         for chain in reversed(self.chains):
             n = len(chain.messages)
-            if (id(chain) in self.busy or chain.last_stop is None or chain.tools != tools or len(want) <= n
+            if (id(chain) in self.busy or chain.tools != tools or len(want) <= n
                     or want[:n] != [normalize_message(m) for m in chain.messages]):
                 continue
             try:
