@@ -104,6 +104,19 @@ def test_sft_loss_falls_and_checkpoint_round_trips(ray_session, tiny_model, tmp_
         group.shutdown()
 
 
+PROMPTS, GREEDY = [[20, 21], [30, 31, 32]], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def _serves_like_a_fresh_engine(exported: str, outs_per_engine: list) -> None:
+    """Synced engines answer exactly as a fresh engine loaded from the trainer's exported checkpoint."""
+    with launch_engine(exported) as fresh:
+        ref = call(fresh.url, lambda c: c.generate_batch(PROMPTS, GREEDY))
+    for outs in outs_per_engine:
+        for a, b in zip(outs, ref):
+            assert a.output_ids == b.output_ids
+            assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+
+
 RECEIVER = {"shm": Endpoint("engine-0", "a"), "shm_handles": Endpoint("engine-0", "a"),
             "collective": Endpoint("engine-0", "b"), "disk": Endpoint("engine-0", "b", transports=("disk",))}
 
@@ -140,7 +153,7 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
                 res = await sync.push(version)
                 assert res["weight_sync/bytes"] > 0
             await trainers.save(str(tmp_path / "exported"))
-            synced = await router.clients[0].generate_batch([[20, 21], [30, 31, 32]], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+            synced = await router.clients[0].generate_batch(PROMPTS, GREEDY)
             info = await router.clients[0].model_info()
             # one weight changed behind the mesh's back, same version string: verification must catch it
             name = sync.names[0]
@@ -157,11 +170,7 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
         gaps, synced, info = asyncio.run(go())
         assert max(gaps) < 1e-4  # fp32 on both sides: the train-inference gap is ~0
         assert info["weight_version"] == "2"
-        with launch_engine(str(tmp_path / "exported")) as fresh:
-            ref = call(fresh.url, lambda c: c.generate_batch([[20, 21], [30, 31, 32]], {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}))
-        for a, b in zip(synced, ref):
-            assert a.output_ids == b.output_ids
-            assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+        _serves_like_a_fresh_engine(str(tmp_path / "exported"), [synced])
     finally:
         engines.shutdown()
         trainers.shutdown()
@@ -174,8 +183,6 @@ def test_two_host_mesh_relays_over_the_collective_and_fans_out(ray_session, tiny
     serves exactly what a fresh engine on the exported checkpoint serves."""
     trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2), tiny_model)
     engines = EngineGroup(tiny_model, EngineConfig(max_running=8, context_length=64), RolloutConfig(num_engines=3))
-    prompts = [[20, 21], [30, 31, 32]]
-    greedy = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     try:
         routes = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "a"), Endpoint("engine-1", "b"),
                                                  Endpoint("engine-2", "b")])
@@ -193,19 +200,14 @@ def test_two_host_mesh_relays_over_the_collective_and_fans_out(ray_session, tiny
                 assert res["time/weight_sync_relay_shm_s"] > 0 and res["weight_sync/bytes"] > 0
             await trainers.save(str(tmp_path / "exported"))
             router = Router(engines.urls)
-            outs = [await c.generate_batch(prompts, greedy) for c in router.clients]
+            outs = [await c.generate_batch(PROMPTS, GREEDY) for c in router.clients]
             infos = [await c.model_info() for c in router.clients]
             await router.aclose()
             await sync.aclose()
             return outs, infos
         outs, infos = asyncio.run(go())
         assert [i["weight_version"] for i in infos] == ["2", "2", "2"]
-        with launch_engine(str(tmp_path / "exported")) as fresh:
-            ref = call(fresh.url, lambda c: c.generate_batch(prompts, greedy))
-        for per_engine in outs:
-            for a, b in zip(per_engine, ref):
-                assert a.output_ids == b.output_ids
-                assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
+        _serves_like_a_fresh_engine(str(tmp_path / "exported"), outs)
     finally:
         engines.shutdown()
         trainers.shutdown()
