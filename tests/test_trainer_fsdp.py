@@ -117,27 +117,39 @@ def _serves_like_a_fresh_engine(exported: str, outs_per_engine: list) -> None:
             assert max(abs(x - y) for x, y in zip(a.output_logprobs, b.output_logprobs)) < 1e-5
 
 
-RECEIVER = {"shm": Endpoint("engine-0", "a"), "shm_handles": Endpoint("engine-0", "a"),
-            "collective": Endpoint("engine-0", "b"), "disk": Endpoint("engine-0", "b", transports=("disk",))}
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU (scripts/gpu_check.sh runs these)")
+# transport -> (trainer endpoint, engine endpoint, trainer and engine device); `_handles`: SGLang's way
+ROUTES = {"shm": (Endpoint("trainer", "a"), Endpoint("engine-0", "a"), "cpu"),
+          "shm_handles": (Endpoint("trainer", "a"), Endpoint("engine-0", "a"), "cpu"),
+          "collective": (Endpoint("trainer", "a"), Endpoint("engine-0", "b"), "cpu"),
+          "disk": (Endpoint("trainer", "a"), Endpoint("engine-0", "b", transports=("disk",)), "cpu"),
+          "cuda_ipc": (Endpoint("trainer", "a", "cuda:0"), Endpoint("engine-0", "a", "cuda:0"), "cuda"),
+          "cuda_ipc_handles": (Endpoint("trainer", "a", "cuda:0"), Endpoint("engine-0", "a", "cuda:0"), "cuda"),
+          "collective_nccl": (Endpoint("trainer", "a", "cuda:0"), Endpoint("engine-0", "b", "cuda:0"), "cuda")}
 
 
-@pytest.mark.parametrize("transport", ["collective", "shm", "shm_handles", "disk"])
+@pytest.mark.parametrize("transport", ["collective", "shm", "shm_handles", "disk",
+                                       *[pytest.param(t, marks=GPU) for t in
+                                         ("cuda_ipc", "cuda_ipc_handles", "collective_nccl")]])
 def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tmp_path, transport):
-    trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2), tiny_model)
-    engines = EngineGroup(tiny_model, EngineConfig(max_running=16, context_length=128), RolloutConfig())
+    sender, receiver, device = ROUTES[transport]
+    gpu = {"gpus_per_rank": 0.4} if device == "cuda" else {}
+    trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2, device=device, **gpu), tiny_model)
+    engines = EngineGroup(tiny_model, EngineConfig(max_running=16, context_length=128, device=device),
+                          RolloutConfig(engine_gpus=0.4))
     try:
         async def go():
             router = Router(engines.urls)
-            # the engine's host and transports decide the route: same host -> shm, another host ->
-            # collective, nothing in common but files -> disk
-            routes = plan(Endpoint("trainer", "a"), [RECEIVER[transport]])
-            # shm: one copy into the engine's mapped standby buffer; shm_handles: SGLang's way (staging
-            # buffers, the engine loads by handle)
+            # the engine's host, device and transports decide the route: same GPU -> cuda_ipc, same
+            # host -> shm, another host -> collective, nothing in common but files -> disk
+            routes = plan(sender, [receiver])
+            # shm / cuda_ipc: one copy into the engine's mapped standby buffer; `_handles`: SGLang's way
+            # (the trainer's staging buffers, the engine loads them by handle)
             sync = WeightMesh(routes, trainers, {"engine-0": engines.urls[0]}, "float32", bucket_mb=0.5,
-                              backend="gloo", verify_every=1, disk_dir=str(tmp_path / "weights"),
-                              extensions=transport != "shm_handles")
-            assert list(sync.parts) == [transport.removesuffix("_handles")]
-            assert len(sync.buckets) > 1 or transport in ("disk", "shm")  # several buckets; every version checksummed
+                              backend="nccl" if transport.endswith("nccl") else "gloo", verify_every=1,
+                              disk_dir=str(tmp_path / "weights"), extensions=not transport.endswith("_handles"))
+            assert list(sync.parts) == [transport.removesuffix("_handles").removesuffix("_nccl")]
+            assert len(sync.buckets) > 1 or transport in ("disk", "shm", "cuda_ipc")  # every version checksummed
             await sync.setup()
             gaps = []
             for version in (1, 2):
@@ -158,7 +170,7 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
             # one weight changed behind the mesh's back, same version string: verification must catch it
             name = sync.names[0]
             expected = ray.get(trainers.rank0.weights_checksum.remote(sync.names, "float32"))
-            bad = trainers.full_state_dict_on_rank0()[name] + 1e-3
+            bad = trainers.full_state_dict_on_rank0()[name].cpu() + 1e-3
             await router.clients[0].update_weights_from_tensor(serialize_named_tensors({name: bad}), weight_version=2)
             with pytest.raises(RuntimeError, match="weight sync to version 2: checksum mismatch"):
                 await sync._verify(2, expected)
@@ -170,7 +182,8 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
         gaps, synced, info = asyncio.run(go())
         assert max(gaps) < 1e-4  # fp32 on both sides: the train-inference gap is ~0
         assert info["weight_version"] == "2"
-        _serves_like_a_fresh_engine(str(tmp_path / "exported"), [synced])
+        if device == "cpu":  # on a GPU the exact checksums above are the check (kernels differ from CPU's)
+            _serves_like_a_fresh_engine(str(tmp_path / "exported"), [synced])
     finally:
         engines.shutdown()
         trainers.shutdown()

@@ -59,12 +59,80 @@ def test_transfer_plan_command_prints_a_two_host_plan(capsys):
     assert "transfer: unknown endpoints ['engine-7']" in capsys.readouterr().err
 
 
-def test_mesh_refuses_routes_without_a_transport_by_name():
+class _Trainers:
+    """What a transport reads of the trainer group when it is built: the exported weights' layout."""
+    ranks: list = []
+
+    @staticmethod
+    def weight_meta():
+        return [("a.weight", "float32", [4, 4]), ("b.weight", "float32", [4])]
+
+
+def test_mesh_picks_the_transport_per_route_and_device():
+    from loongsage.transfer.mesh import WeightMesh
+    from loongsage.transfer.shm_mapped_sync import MappedShmSync
+    from loongsage.transfer.shm_sync import ShmWeightSync
+
+    urls = {f"engine-{i}": f"http://127.0.0.1:{i + 1}" for i in range(3)}
+    routes = plan(Endpoint("trainer", "a", "cuda:0"), [Endpoint("engine-0", "a", "cuda:0"),  # same GPU
+                                                       Endpoint("engine-1", "a", "cuda:1"),  # same host, GPU
+                                                       Endpoint("engine-2", "a", "cpu")])
+    mesh = WeightMesh(routes, _Trainers, urls, "bfloat16", 64.0, "nccl")
+    # embedded engines: the engine's own buffers are written (device to device over CUDA IPC, or
+    # into /dev/shm for a CPU engine); a GPU engine on the shm route loads staging buffers by handle
+    assert isinstance(mesh.parts["cuda_ipc"], MappedShmSync)
+    assert [c.base_url for c in mesh.parts["cuda_ipc"].clients] == [urls["engine-0"]]
+    assert isinstance(mesh.parts["shm"], ShmWeightSync) and not mesh.parts["shm"].on_device
+    cpu_only = plan(Endpoint("trainer", "a", "cuda:0"), [Endpoint("engine-2", "a", "cpu")])
+    assert isinstance(WeightMesh(cpu_only, _Trainers, urls, "float32", 64.0, "nccl").parts["shm"], MappedShmSync)
+    # SGLang engines: the trainer's device buffers, handed over as CUDA IPC handles
+    sglang = WeightMesh(plan(Endpoint("trainer", "a", "cuda:0"), [Endpoint("engine-0", "a", "cuda:0")]),
+                        _Trainers, urls, "bfloat16", 64.0, "nccl", extensions=False)
+    assert isinstance(sglang.parts["cuda_ipc"], ShmWeightSync) and sglang.parts["cuda_ipc"].on_device
+
+
+def test_physical_devices_follow_cuda_visible_devices():
+    from loongsage.transfer.devices import physical_device
+
+    assert physical_device("cpu", "0") == "cpu"
+    assert physical_device("cuda:0", "") == "cuda:0"
+    assert physical_device("cuda", "3") == "cuda:3"  # an actor given GPU 3 calls it cuda:0
+    assert physical_device("cuda:1", "2,5") == "cuda:5"
+    assert physical_device("cuda:0", "GPU-1a2b") == "cuda:GPU-1a2b"
+    # two actors sharing GPU 3 meet on one device: the planner picks cuda_ipc
+    assert plan(Endpoint("trainer", "a", physical_device("cuda:0", "3")),
+                [Endpoint("engine-0", "a", physical_device("cuda", "3"))]).routes[0].transport == "cuda_ipc"
+    with pytest.raises(ValueError, match="cuda:2: only 2 visible device"):
+        physical_device("cuda:2", "0,1")
+
+
+def test_sglang_engines_cannot_relay():
     from loongsage.transfer.mesh import WeightMesh
 
-    routes = plan(Endpoint("trainer", "a", "cuda:0"), [Endpoint("engine-0", "a", "cuda:0")])
-    with pytest.raises(NotImplementedError, match=r"routes \['cuda_ipc'\] \(for \['engine-0'\]\) are planned but have no"):
-        WeightMesh(routes, None, {"engine-0": "http://127.0.0.1:1"}, "float32", 64.0, "gloo")
     relayed = plan(Endpoint("trainer", "a"), [Endpoint("engine-0", "b"), Endpoint("engine-1", "b")])
     with pytest.raises(ValueError, match="SGLang engines cannot relay"):
         WeightMesh(relayed, None, {"engine-0": "u0", "engine-1": "u1"}, "float32", 64.0, "gloo", extensions=False)
+
+
+def _weight_sync_bench():
+    """benchmarks/weight_sync.py as a module (importable by name: its receivers are spawned processes)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    where = str(Path(__file__).parents[1] / "benchmarks")
+    if where not in sys.path:  # stays: spawned children rebuild sys.path from this process's
+        sys.path.append(where)
+    return importlib.import_module("weight_sync")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a GPU (scripts/gpu_check.sh runs it)"))])
+def test_every_raw_transport_delivers_the_exact_bits(device):
+    """The weight_sync benchmark's transfers between two processes (LoongSage's handles: /dev/shm on
+    CPU, CUDA IPC on a GPU; gloo or NCCL) land bit-identical in the receiver."""
+    bench = _weight_sync_bench()
+    for kind in bench.KINDS:
+        seconds, verified = bench.measure(kind, 50_000, 2, device)
+        assert verified, kind
+        assert seconds > 0

@@ -1,9 +1,10 @@
-"""Double-buffered weights in shared memory, for the one-copy same-host weight sync.
+"""Double-buffered weights in shared memory, for the one-copy same-host (or same-GPU) weight sync.
 
 The parameters become views into the active one of two flat /dev/shm buffers. The trainer maps both
 once and writes each new version straight into the standby buffer (casting on the fly) while the
 engine keeps generating from the active one; `flip` then points the parameters at the other buffer,
-between two engine steps: one copy per version instead of copy-in plus copy-out.
+between two engine steps: one copy per version instead of copy-in plus copy-out. An engine on a GPU
+keeps both buffers in device memory, and a trainer on the same GPU writes them through CUDA IPC.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ class MappedWeights:
         self.layout = flat_layout(list(params.items()))
         numel = self.layout[-1]["end"]
         dtype = dtypes.pop()
-        self.buffers = [shared_buffer(numel, dtype) for _ in range(2)]
+        device = next(iter(params.values())).device  # on a GPU the handles are CUDA IPC handles (cuda_ipc route)
+        self.buffers = [shared_buffer(numel, dtype, device) for _ in range(2)]
         self.active = 0
         with torch.no_grad():
             for m in self.layout:

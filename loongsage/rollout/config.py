@@ -26,8 +26,9 @@ class SamplingConfig(BaseModel):
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     engine: str = Field("embedded", pattern="^(embedded|sglang)$")
-    engine_gpus: float = Field(1.0, ge=0, description="GPUs each SGLang engine actor reserves in Ray "
-                               "(fractions share a GPU with the trainer); embedded engines reserve none")
+    engine_gpus: float = Field(1.0, ge=0, description="GPUs each engine actor on a GPU (SGLang, or "
+                               "embedded with engine.device=cuda) reserves in Ray; fractions share a GPU with the trainer, "
+                               "which puts weight sync on the cuda_ipc route")
     num_engines: int = Field(1, ge=1)
     engine_threads: int = Field(1, ge=1)
     prompts_per_step: int = Field(32, ge=1)

@@ -14,7 +14,9 @@ class EngineActor:
         from loongsage.rollout.launcher import launch_engine, launch_sglang
 
         ecfg = EngineConfig.model_validate(cfg)
-        self.device = "cuda:0" if kind == "sglang" else ecfg.device
+        from loongsage.transfer.devices import physical_device
+
+        self.device = physical_device("cuda:0" if kind == "sglang" else ecfg.device)
         if kind == "sglang":
             self.proc = launch_sglang(model_path, ecfg.sglang_args_for())
         else:
@@ -36,7 +38,8 @@ class EngineActor:
 
 class EngineGroup:
     def __init__(self, model_path: str, engine_cfg: EngineConfig, rollout: RolloutConfig):
-        gpus = rollout.engine_gpus if rollout.engine == "sglang" else 0
+        on_gpu = rollout.engine == "sglang" or engine_cfg.device.startswith("cuda")
+        gpus = rollout.engine_gpus if on_gpu else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
         self.actors = [actor.remote(str(model_path), engine_cfg.model_dump(), rollout.engine_threads, rollout.engine)
                        for _ in range(rollout.num_engines)]

@@ -18,6 +18,7 @@ from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import write_hf_folder
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
+from loongsage.transfer.devices import physical_device
 from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors
 
 
@@ -47,14 +48,18 @@ class TrainerRank:
         self.weight_group = None
         self._sender: threading.Thread | None = None
         self._send_error: BaseException | None = None
-        self._shm = SharedBuckets()
+        self._shm = SharedBuckets()  # /dev/shm staging buffers (shm route, SGLang receivers)
+        self._on_device = SharedBuckets(self.backend.device)  # cuda_ipc route, SGLang receivers
         self._mapped: dict[str, list[dict]] = {}  # receiver -> its two mapped weight buffers
 
     def where(self) -> tuple[str, str]:
         """(host id, device) for the TransferMesh planner."""
         import ray
 
-        return ray.get_runtime_context().get_node_id(), str(self.backend.device)
+        device = str(self.backend.device)
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+        return ray.get_runtime_context().get_node_id(), physical_device(device)
 
     def ready(self) -> int:
         return self.backend.version
@@ -107,19 +112,21 @@ class TrainerRank:
             return None
         return weights_checksum(sd, names, dtype_from_name(dtype) if dtype else None)
 
-    def pack_shared(self, buckets: list[list[str]], dtype: str | None, receivers: int = 1) -> tuple[list[list[str]], float]:
+    def pack_shared(self, buckets: list[list[str]], dtype: str | None, receivers: int = 1,
+                    on_device: bool = False) -> tuple[list[list[str]], float]:
         """Rank 0 copies the full weights into reused shared buffers, one per bucket, and returns per
-        bucket one handle per receiver (`load_format="flattened_bucket"`): only the handle crosses HTTP."""
+        bucket one handle per receiver (`load_format="flattened_bucket"`): only the handle crosses HTTP.
+        `on_device`: the buffers live on the trainer's GPU and the handles are CUDA IPC handles."""
         sd = self.backend.full_state_dict()
         if self.rank != 0:
             return [], 0.0
-        held = self._shm.fill([[(n, sd[n]) for n in names] for names in buckets], dtype_from_name(dtype) if dtype else None)
-        return self._shm.handles(receivers), held
+        held = (self._on_device if on_device else self._shm).fill([[(n, sd[n]) for n in names] for names in buckets], dtype_from_name(dtype) if dtype else None)
+        return (self._on_device if on_device else self._shm).handles(receivers), held
 
     def map_receivers(self, handles: dict[str, list[str]]) -> bool:
         """Rank 0 maps each same-host receiver's two weight buffers (`/map_weights`) once."""
-        if self.rank == 0:
-            self._mapped = {name: [deserialize_named_tensors(h) for h in pair] for name, pair in handles.items()}
+        if self.rank == 0:  # shm and cuda_ipc receivers are mapped by their own transports
+            self._mapped.update({name: [deserialize_named_tensors(h) for h in pair] for name, pair in handles.items()})
         return True
 
     def write_mapped(self, targets: dict[str, int]) -> float:
@@ -139,6 +146,8 @@ class TrainerRank:
                         raise KeyError(f"receiver {name} maps {m['name']!r}, which the trainer does not export")
                     flat[m["start"]:m["end"]].copy_(sd[m["name"]].reshape(-1))
                 written = float(flat.numel() * flat.element_size())
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the receiver flips right after: the copies must have landed
         return written
 
     def write_weights(self, path: str, names: list[str], dtype: str | None) -> float:
@@ -178,6 +187,7 @@ class TrainerRank:
 
     def shutdown(self) -> None:
         self._shm.release()
+        self._on_device.release()
         self._mapped = {}
         if dist.is_initialized():
             dist.destroy_process_group()

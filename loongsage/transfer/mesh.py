@@ -16,7 +16,7 @@ from loongsage.transfer.shm_sync import ShmWeightSync
 from loongsage.transfer.topology import Endpoint, Plan
 from loongsage.transfer.transport import WeightTransport
 
-EXECUTED = ("shm", "collective", "relay_shm", "disk")  # routes with a transport today (cuda_ipc: planned only)
+EXECUTED = ("cuda_ipc", "shm", "collective", "relay_shm", "disk")
 
 
 def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoint, list[Endpoint]]:
@@ -43,9 +43,13 @@ class WeightMesh:
                                       "planned but have no transport yet; set transfer.transports to avoid them")
         self.plan = routes
         self.parts: dict[str, WeightTransport] = {}
-        if "shm" in groups:  # one copy into engine-owned buffers; SGLang: staging buffers + handles (two copies)
+        if "cuda_ipc" in groups:  # same GPU: the engine's own buffers written device to device (one copy);
+            ipc_urls = [urls[n] for n in groups["cuda_ipc"]]  # SGLang: trainer-side device buffers + IPC handles
+            self.parts["cuda_ipc"] = (MappedShmSync(trainers, ipc_urls) if extensions
+                                      else ShmWeightSync(trainers, ipc_urls, engine_dtype, bucket_mb, on_device=True))
+        if "shm" in groups:  # one copy into engine-owned buffers; SGLang or GPU engines: staging buffers + handles
             shm_urls = [urls[n] for n in groups["shm"]]
-            self.parts["shm"] = (MappedShmSync(trainers, shm_urls) if extensions
+            self.parts["shm"] = (MappedShmSync(trainers, shm_urls) if extensions and routes.on_cpu(groups["shm"])
                                  else ShmWeightSync(trainers, shm_urls, engine_dtype, bucket_mb))
         if "collective" in groups:
             self.parts["collective"] = DistributedWeightSync(trainers, [urls[n] for n in groups["collective"]],

@@ -1,6 +1,8 @@
 """Weights to same-host engines through shared memory: trainer rank 0 copies each bucket into a
 /dev/shm buffer it allocated once, and every engine loads the bucket from the handle through
 `/update_weights_from_tensor` (flattened_bucket). Nothing but the handle crosses HTTP.
+With `on_device` the buffers live on the trainer's GPU and the handles are CUDA IPC handles: the
+`cuda_ipc` route to SGLang engines on the same GPU (SGLang's own colocated path).
 
 Same interface as `DistributedWeightSync` (begin / deliver / push): `begin` submits the copy to the
 trainer ranks now, so it is ordered before their next train step; `deliver` feeds the engines and
@@ -20,8 +22,8 @@ from loongsage.transfer.transport import WeightTransport
 
 class ShmWeightSync(WeightTransport):
     def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str = "float32",
-                 bucket_mb: float = 64.0):
-        self.trainers = trainers
+                 bucket_mb: float = 64.0, on_device: bool = False):
+        self.trainers, self.on_device = trainers, on_device
         self.clients = [EngineClient(u) for u in engine_urls]
         self.dtype = engine_dtype
         meta = trainers.weight_meta()
@@ -30,7 +32,8 @@ class ShmWeightSync(WeightTransport):
         self.bucket_names = [[meta[i][0] for i in b] for b in self.buckets]
 
     def begin(self, version: int) -> tuple[list, float]:
-        return ([r.pack_shared.remote(self.bucket_names, self.dtype, len(self.clients)) for r in self.trainers.ranks],
+        return ([r.pack_shared.remote(self.bucket_names, self.dtype, len(self.clients), self.on_device)
+                 for r in self.trainers.ranks],
                 time.perf_counter())
 
     async def deliver(self, version: int, begun: tuple[list, float]) -> dict[str, float]:

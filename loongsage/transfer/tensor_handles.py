@@ -70,17 +70,22 @@ def unflatten_bucket(payload) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"flattened_bucket: bad metadata ({exc})") from None
 
 
-def shared_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A CPU buffer in a named /dev/shm file (file_system strategy): any process can map it by name."""
+def shared_buffer(numel: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A buffer other processes can map: on CPU a named /dev/shm file (file_system strategy), on a GPU
+    plain device memory (its handle is a CUDA IPC handle, valid for processes on the same device)."""
+    if torch.device(device).type != "cpu":
+        return torch.empty(numel, dtype=dtype, device=device)
     tmp.set_sharing_strategy("file_system")
     return torch.empty(numel, dtype=dtype).share_memory_()
 
 
 def release_shared(t: torch.Tensor) -> None:
     """Removes a shared buffer's /dev/shm file (processes that mapped it keep their mapping); without
-    this, files of processes killed at shutdown stay behind."""
+    this, files of processes killed at shutdown stay behind. GPU buffers are freed with their tensor."""
     import os
 
+    if t.device.type != "cpu":
+        return
     name = t.untyped_storage()._share_filename_cpu_()[1].decode()
     try:
         os.unlink("/dev/shm" + name)
@@ -93,9 +98,11 @@ class SharedBuckets:
     bucket layout first appears (fresh shared memory is several times slower than a copy into a
     mapped buffer), refilled every version, released explicitly. Handles are made fresh per receiver
     and version: pickling a shared tensor takes a reference that the receiver's unpickling returns.
-    The owner must not refill while a receiver may still be loading the previous version."""
+    The owner must not refill while a receiver may still be loading the previous version.
+    On a GPU `device` the buffers are device memory and the handles CUDA IPC handles."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
         self._bufs: list[tuple[torch.Tensor, list[dict]]] = []
 
     def fill(self, buckets: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> float:
@@ -103,12 +110,14 @@ class SharedBuckets:
         layout = [flat_layout(b) for b in buckets]
         if [meta for _, meta in self._bufs] != layout:
             self.release()
-            self._bufs = [(shared_buffer(sum(t.numel() for _, t in b), dtype or b[0][1].dtype), meta)
+            self._bufs = [(shared_buffer(sum(t.numel() for _, t in b), dtype or b[0][1].dtype, self.device), meta)
                           for b, meta in zip(buckets, layout)]
         with torch.no_grad():  # sources may be parameters; the buffers stay plain tensors
             for (buf, meta), bucket in zip(self._bufs, buckets):
                 for m, (_, t) in zip(meta, bucket):  # no temporary: straight into the slice
                     buf[m["start"]: m["end"]].copy_(t.reshape(-1))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # receivers read as soon as they get the handle
         return float(sum(b.numel() * b.element_size() for b, _ in self._bufs))
 
     def handles(self, receivers: int) -> list[list[str]]:

@@ -49,6 +49,10 @@ class Route:
 class Plan:
     sender: Endpoint
     routes: list[Route] = field(default_factory=list)
+    devices: dict[str, str] = field(default_factory=dict)  # receiver -> its device
+
+    def on_cpu(self, receivers: list[str]) -> bool:
+        return all(self.devices.get(r, "cpu") == "cpu" for r in receivers)
 
     def by_transport(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -71,7 +75,7 @@ def plan(sender: Endpoint, receivers: list[Endpoint]) -> Plan:
     names = [r.name for r in receivers]
     if len(set(names)) != len(names):
         raise ValueError(f"receiver names must be unique, got {names}")
-    out = Plan(sender)
+    out = Plan(sender, devices={r.name: r.device for r in receivers})
     relay_of_host: dict[str, Endpoint] = {}
     for r in receivers:
         if r.host == sender.host:
