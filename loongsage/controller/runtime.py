@@ -10,6 +10,7 @@ import ray
 from loongsage.cluster.config import RayConfig
 from loongsage.cluster.ray_setup import init_ray
 from loongsage.engine.config import EngineConfig
+from loongsage.heap import freeze_long_lived
 from loongsage.rollout.config import RolloutConfig
 from loongsage.rollout.engine_group import EngineGroup
 from loongsage.rollout.router import Router
@@ -57,6 +58,7 @@ class Runtime:
                               transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
                               transfer.disk_dir, extensions=rollout.engine == "embedded")
             await sync.setup()
+            freeze_long_lived()  # the controller's imports and clients: out of the cyclic GC's full passes (heap.py)
         except BaseException:
             for group in (engines, trainers, reference):
                 if group is not None:

@@ -10,6 +10,7 @@ import uvicorn
 from loongsage.engine.config import EngineConfig
 from loongsage.engine.core import EngineCore
 from loongsage.engine.server import create_app
+from loongsage.heap import freeze_long_lived
 
 
 def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = "warning") -> None:
@@ -23,8 +24,9 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
         context_length=cfg.context_length, max_prefill_tokens=cfg.max_prefill_tokens,
         weight_version=cfg.weight_version, enable_prefix_cache=cfg.prefix_cache,
     )
-    core.start()
     app = create_app(core)
+    freeze_long_lived()  # model, tokenizer, server: out of the cyclic GC's full passes (heap.py)
+    core.start()
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                     timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)

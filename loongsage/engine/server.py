@@ -6,6 +6,7 @@ Every client error is a 400 naming the problem, and the server keeps serving the
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import json
 import logging
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
@@ -28,6 +29,14 @@ from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_t
 
 log = logging.getLogger("loongsage.engine")
 MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def json_response(obj) -> Response:
+    """Already-JSON data straight to bytes: FastAPI's jsonable_encoder walks every element in Python
+    first, which on a batch's logprobs cost the HTTP thread more than the step thread's forward, and
+    with one core and one GIL every such millisecond stalls generation."""
+    return Response(json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
+                    media_type="application/json")
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -104,7 +113,7 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
                 core.call(core.abort, s.rid, False, "client disconnected")
             raise
         ordered = [results[s.rid] for s in seqs]
-        return ordered[0] if single else ordered
+        return json_response(ordered[0] if single else ordered)
 
     # ---- weights -------------------------------------------------------------------------
     @app.post("/update_weights_from_tensor")
@@ -320,7 +329,8 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
         st = core.stats
         return {"weight_version": core.weight_version, "running": len(core.running), "waiting": len(core.waiting),
                 "steps": st.steps, "generated_tokens": st.generated_tokens, "prefill_tokens": st.prefill_tokens,
-                "cached_tokens": st.cached_tokens, "busy_s": st.busy_s}
+                "cached_tokens": st.cached_tokens, "busy_s": st.busy_s,
+                "gc_frozen_objects": gc.get_freeze_count()}  # LoongSage extension (heap.py)
 
     return app
 

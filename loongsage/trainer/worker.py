@@ -18,6 +18,7 @@ from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import write_hf_folder
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
+from loongsage.heap import freeze_long_lived
 from loongsage.transfer.devices import physical_device
 from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors
 
@@ -51,6 +52,7 @@ class TrainerRank:
         self._shm = SharedBuckets()  # /dev/shm staging buffers (shm route, SGLang receivers)
         self._on_device = SharedBuckets(self.backend.device)  # cuda_ipc route, SGLang receivers
         self._mapped: dict[str, list[dict]] = {}  # receiver -> its two mapped weight buffers
+        freeze_long_lived()  # torch, the model, the optimizer: out of the cyclic GC's full passes (heap.py)
 
     def where(self) -> tuple[str, str]:
         """(host id, device) for the TransferMesh planner."""
