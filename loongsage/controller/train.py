@@ -12,6 +12,9 @@
                                                                  the window advances; too-old in-flight
                                                                  groups cancelled
 
+Batch t + 1 is taken from the buffer and collated while step t trains, so the trainer goes from one
+step to the next without waiting on the controller.
+
 Back-pressure is the staleness window (loongsage/buffer.py): at most (k + 1 + v) * B groups are ever
 admitted by version v, so generation runs at most k versions ahead of training. With k = 0 nothing is
 admitted until the weights of the previous step are on the engines: the synchronous schedule, by the
@@ -69,7 +72,7 @@ async def train(cfg: RunConfig) -> dict:
     producer = RolloutProducer(rt, runner, PromptSampler(train_rows, cfg.seed), window, cfg.sampling.n,
                                cfg.agent.kind == "single_turn" or cfg.agent.on_failure == "mask", timeline)
     summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
-    producing = pending = None
+    producing = pending = upcoming = None
     try:
         await runner.start()
         t_eval = time.perf_counter()
@@ -83,8 +86,12 @@ async def train(cfg: RunConfig) -> dict:
         # `pending`: (record, weight-update task) of the step whose weights are in flight
         with _progress(console) as bar:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0)
+            upcoming = asyncio.create_task(_next_batch(1, cfg, tok, producer, window, timeline))
             for step in range(1, cfg.train.steps + 1):
-                record = await _train(step, cfg, rt, tok, producer, window, timeline)  # overlaps `pending`
+                training = asyncio.create_task(_train(step, cfg, rt, await upcoming, timeline))  # overlaps `pending`
+                if step < cfg.train.steps:  # batch step + 1 is taken and collated while this step trains
+                    upcoming = asyncio.create_task(_next_batch(step + 1, cfg, tok, producer, window, timeline))
+                record = await training
                 if pending is not None:
                     _finish(await _delivered(pending), clock, metrics, bar, task)
                 pending = (record, _start_weight_update(step, cfg, rt, producer, window, timeline))
@@ -118,6 +125,8 @@ async def train(cfg: RunConfig) -> dict:
         console.print(f"held-out accuracy: {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} "
                       f"after {step} steps ({summary['train_seconds']:.0f}s); run dir {run_dir}")
     finally:
+        if upcoming is not None:
+            upcoming.cancel()
         if pending is not None:
             pending[1].cancel()
         if producing is not None:
@@ -132,8 +141,9 @@ async def train(cfg: RunConfig) -> dict:
     return summary
 
 
-async def _train(step: int, cfg: RunConfig, rt: Runtime, tok, producer: RolloutProducer,
-                 window: StalenessWindow, timeline: Timeline) -> dict:
+async def _next_batch(step: int, cfg: RunConfig, tok, producer: RolloutProducer, window: StalenessWindow,
+                      timeline: Timeline) -> tuple[dict, object, list[Sample]]:
+    """Batch `step`, taken from the buffer and collated (while the previous step trains)."""
     with timeline.span("controller: wait for batch", f"batch {step}"):
         groups, sampled, dropped = await _take_batch(step, cfg, producer, window)
     samples = [s for g in groups for s in g.samples]
@@ -141,9 +151,14 @@ async def _train(step: int, cfg: RunConfig, rt: Runtime, tok, producer: RolloutP
                     "samples/dropped_stale": dropped, "samples/filtered_groups": len(sampled) - len(groups)}
     record.update(_reward_metrics(sampled))
     record.update(_agent_metrics(sampled))
+    return record, (collate(samples, tok.pad_token_id) if samples else None), samples
+
+
+async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, object, list[Sample]],
+                 timeline: Timeline) -> dict:
+    record, batch, samples = prepared
     t_train = time.perf_counter()
-    if samples:
-        batch = collate(samples, tok.pad_token_id)
+    if batch is not None:
         if cfg.algo.recompute_proximal:  # otherwise the update's own forward gives them (and the gap)
             batch.proximal_logprobs, _ = await rt.trainers.compute_logprobs(batch)
         if rt.reference is not None:
