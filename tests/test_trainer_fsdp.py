@@ -21,7 +21,7 @@ from loongsage.sample import Sample
 from loongsage.trainer.batch import collate
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.group import TrainerGroup
-from loongsage.transfer.distributed_sync import plan_buckets
+from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.mesh import WeightMesh
 from loongsage.transfer.tensor_handles import serialize_named_tensors
 from loongsage.transfer.topology import Endpoint, plan

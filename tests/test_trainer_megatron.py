@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import ray
 import torch
 from safetensors.torch import load_file
 
@@ -17,6 +18,7 @@ from loongsage.trainer.batch import collate
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.group import TrainerGroup
 from loongsage.trainer.megatron_convert import Layout, hf_to_megatron, megatron_to_hf
+from loongsage.transfer.checksum import weights_checksum
 
 pytest.importorskip("megatron.core")
 
@@ -99,6 +101,22 @@ def _run(group: TrainerGroup, steps: int, engine_batch):
     return asyncio.run(go())
 
 
+def _bucketed_export_is_the_full_export(group, full: dict) -> None:
+    """A weight sync gathers bucket by bucket: buckets of 3 names that split fused tensors (q/k/v,
+    gate/up) between buckets and stages give exactly the full export, and so does the checksum
+    the ranks compute chunk by chunk."""
+    names = sorted(full)
+    buckets = [names[i::7] for i in range(7)]  # interleaved: fused partners land in different buckets
+    got = {}
+    for b in buckets:
+        part = ray.get([r.full_state_dict.remote(b) for r in group.ranks])[0]
+        assert sorted(part) == sorted(b)
+        got.update(part)
+    assert all(torch.equal(got[n], full[n]) for n in names)
+    remote = ray.get([r.weights_checksum.remote(names, "bfloat16") for r in group.ranks])[0]
+    assert remote == weights_checksum(full, names, torch.bfloat16)
+
+
 def test_megatron_tp_pp_dp_layouts_match_fsdp_logprobs_and_training(ray_session, tiny_model, engine):
     engine_batch = _engine_batch(engine.url)
     common = dict(lr=1e-2, micro_batch_size=4, max_grad_norm=0.5)
@@ -115,6 +133,7 @@ def test_megatron_tp_pp_dp_layouts_match_fsdp_logprobs_and_training(ray_session,
         try:
             runs[name] = _run(group, steps=3, engine_batch=engine_batch)
             runs[name] += (group.full_state_dict_on_rank0(),)
+            _bucketed_export_is_the_full_export(group, runs[name][-1])
         finally:
             group.shutdown()
     mask, ref_before, ref_metrics, ref_after, ref_engine_gap, ref_weights = runs["fsdp"]

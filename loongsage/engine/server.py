@@ -24,7 +24,7 @@ from loongsage.engine.mapped_weights import MappedWeights
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
-from loongsage.transfer.distributed_sync import plan_buckets
+from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors, unflatten_bucket
 
 log = logging.getLogger("loongsage.engine")

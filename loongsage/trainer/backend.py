@@ -26,8 +26,9 @@ class TrainBackend(Protocol):
     def weight_meta(self) -> list[tuple[str, str, list[int]]]:
         """(name, dtype, shape) of every exported tensor, in export order."""
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full (unsharded) weights on rank 0 (None elsewhere); a collective on all ranks."""
+    def full_state_dict(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """Full (unsharded) weights on rank 0 (None elsewhere): all, or only `names` (one bucket of a
+        weight sync, gathered alone); a collective on all ranks, which must pass the same names."""
 
     def save(self, path: str) -> None: ...
 

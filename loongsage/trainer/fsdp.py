@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from loongsage.algo.losses import LossConfig
@@ -86,7 +87,19 @@ class FSDPBackend:
         return out
 
     # ---- weights ----------------------------------------------------------------------------
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """Full tensors on rank 0 (a collective on all ranks, which must pass the same `names`). With
+        `names` (one bucket of a weight sync) only those parameters are gathered, on the training
+        device, so an export never holds more than a bucket beside the sharded model."""
+        if names is not None:
+            params = dict(self.model.named_parameters())
+            out = {}
+            for n in names:
+                p = params[n].detach()
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                if self.rank == 0:
+                    out[n] = full
+            return out if self.rank == 0 else None
         sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None

@@ -25,7 +25,7 @@ from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.megatron_convert import (
-    Layout, build_gpt_model, hf_to_megatron, megatron_to_hf, transformer_engine_available,
+    Layout, apply_rules, build_gpt_model, export_rules, hf_to_megatron, transformer_engine_available,
 )
 from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy, write_hf_folder
 
@@ -68,6 +68,7 @@ class MegatronBackend:
         hf = _hf_weights(self.model_path)
         self.meta = [(n, "float32", list(t.shape)) for n, t in hf.items() if not (self.layout.tied and n == "lm_head.weight")]
         self.te = not on_cpu and transformer_engine_available()  # TE layer spec on GPU, local spec otherwise
+        self.rules = export_rules(self.layout, self.stage, self.pp, self.te)  # Megatron -> HF, per tensor group
         model = build_gpt_model(self.layout, self.tp, self.pp, self.stage, self.te).to(self.device)
         self._load_local(model, hf)
         self.model = DistributedDataParallel(
@@ -172,12 +173,16 @@ class MegatronBackend:
         return {k: v.detach() for k, v in self.model.module.state_dict().items()
                 if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """HF-named full tensors on rank 0: tensor-parallel shards gathered within each stage, then
-        each stage's part gathered from its lead rank (a collective on all ranks)."""
+    def full_state_dict(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:
+        """HF-named full tensors on rank 0 (all of them, or just `names`: one bucket of a weight sync
+        gathers only the shards that bucket needs): tensor-parallel shards gathered within each
+        stage, then each stage's part gathered from its lead rank (a collective on all ranks, which
+        must pass the same `names`)."""
+        wanted = None if names is None else set(names)
+        rules = [r for r in self.rules if wanted is None or wanted.intersection(r.outputs)]
         local = self._local_state()
         shards: list[dict[str, torch.Tensor]] = [dict() for _ in range(self.tp)]
-        for name in sorted(local):
+        for name in sorted({s for r in rules for s in r.sources}):
             t = local[name].contiguous()
             parts = [t]
             if self.tp > 1:
@@ -185,7 +190,11 @@ class MegatronBackend:
                 dist.all_gather(parts, t, group=self.tp_group)
             for r, p in enumerate(parts):
                 shards[r][name] = p.cpu()
-        part = megatron_to_hf(shards, self.layout, self.stage, self.pp, self.te) if self.lead else None
+        part = None
+        if self.lead:
+            part = apply_rules(rules, shards, self.layout)
+            if wanted is not None:  # a rule may build more than the bucket holds (q, k, v together)
+                part = {n: t for n, t in part.items() if n in wanted}
         if self.pp > 1:
             parts = [None] * self.world if self.rank == 0 else None
             dist.gather_object(part, parts, dst=0)

@@ -137,10 +137,38 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], lay: Layout, rank: int = 0, tp: 
     return out
 
 
-def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout, stage: int = 0,
-                   stages: int = 1, te: bool = False) -> dict[str, torch.Tensor]:
-    """The HF tensors held by pipeline stage `stage`, from the Megatron state dicts of all its
-    tensor-parallel ranks in rank order (no `lm_head.weight` when the embeddings are tied)."""
+@dataclass(frozen=True)
+class Rule:
+    """HF tensors `outputs` built from the Megatron tensors `sources` (all tensor-parallel ranks)."""
+    sources: tuple[str, ...]
+    outputs: tuple[str, ...]
+    kind: str  # "one": one tensor to one; "qkv": fused q/k/v; "fc1": fused gate/up
+
+
+def export_rules(lay: Layout, stage: int = 0, stages: int = 1, te: bool = False) -> list[Rule]:
+    """How pipeline stage `stage` turns its Megatron tensors into HF tensors, one rule per group of
+    tensors that must be gathered together: what a bucket of HF names needs, and nothing more."""
+    rules = []
+    if stage == 0:
+        rules.append(Rule(("embedding.word_embeddings.weight",), ("model.embed_tokens.weight",), "one"))
+    if stage == stages - 1:
+        rules.append(Rule(("decoder.final_layernorm.weight",), ("model.norm.weight",), "one"))
+        if not lay.tied:
+            rules.append(Rule(("output_layer.weight",), ("lm_head.weight",), "one"))
+    for local, i in enumerate(lay.stage_layers(stage, stages)):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
+        rules += [Rule((m_name,), (h_name,), "one") for m_name, h_name in _layer_map(i, local, lay, te).items()]
+        rules.append(Rule((m + "self_attention.linear_qkv.weight",),
+                          tuple(h + f"self_attn.{x}_proj.weight" for x in "qkv"), "qkv"))
+        if lay.qkv_bias:
+            rules.append(Rule((m + "self_attention.linear_qkv.bias",),
+                              tuple(h + f"self_attn.{x}_proj.bias" for x in "qkv"), "qkv"))
+        rules.append(Rule((m + "mlp.linear_fc1.weight",), (h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"), "fc1"))
+    return rules
+
+
+def apply_rules(rules: list[Rule], shards: list[dict[str, torch.Tensor]], lay: Layout) -> dict[str, torch.Tensor]:
+    """The HF tensors of `rules`, from the Megatron tensors of all tensor-parallel ranks in rank order."""
     def cat(name: str) -> torch.Tensor:
         parts = [s[name] for s in shards]
         if parts[0].dim() == 1 and not name.endswith("linear_qkv.bias"):
@@ -148,25 +176,22 @@ def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout, stage: in
         return torch.cat(parts, dim=1 if name.endswith(_ROW_PARALLEL) else 0)
 
     out = {}
-    if stage == 0:
-        out["model.embed_tokens.weight"] = cat("embedding.word_embeddings.weight")
-    if stage == stages - 1:
-        out["model.norm.weight"] = cat("decoder.final_layernorm.weight")
-        if not lay.tied:
-            out["lm_head.weight"] = cat("output_layer.weight")
-    for local, i in enumerate(lay.stage_layers(stage, stages)):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{local}."
-        for m_name, h_name in _layer_map(i, local, lay, te).items():
-            out[h_name] = cat(m_name)
-        q, k, v = _unqkv(cat(m + "self_attention.linear_qkv.weight"), lay)
-        out.update({h + "self_attn.q_proj.weight": q, h + "self_attn.k_proj.weight": k, h + "self_attn.v_proj.weight": v})
-        if lay.qkv_bias:
-            q, k, v = _unqkv(cat(m + "self_attention.linear_qkv.bias"), lay)
-            out.update({h + "self_attn.q_proj.bias": q, h + "self_attn.k_proj.bias": k, h + "self_attn.v_proj.bias": v})
-        halves = [s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
-        out[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in halves], dim=0)
-        out[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in halves], dim=0)
+    for r in rules:
+        if r.kind == "one":
+            out[r.outputs[0]] = cat(r.sources[0])
+        elif r.kind == "qkv":
+            out.update(zip(r.outputs, _unqkv(cat(r.sources[0]), lay)))
+        else:  # fc1: each rank holds [gate_r; up_r]
+            halves = [s[r.sources[0]].chunk(2, dim=0) for s in shards]
+            out.update(zip(r.outputs, (torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves]))))
     return out
+
+
+def megatron_to_hf(shards: list[dict[str, torch.Tensor]], lay: Layout, stage: int = 0,
+                   stages: int = 1, te: bool = False) -> dict[str, torch.Tensor]:
+    """The HF tensors held by pipeline stage `stage`, from the Megatron state dicts of all its
+    tensor-parallel ranks in rank order (no `lm_head.weight` when the embeddings are tied)."""
+    return apply_rules(export_rules(lay, stage, stages, te), shards, lay)
 
 
 def transformer_config(lay: Layout, tp: int, pp: int = 1, dtype: torch.dtype = torch.float32):

@@ -16,10 +16,13 @@ from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import write_hf_folder
-from loongsage.transfer.checksum import weights_checksum
+from loongsage.transfer.checksum import checksum_order, checksum_part, finish_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
 from loongsage.heap import freeze_long_lived
 from loongsage.transfer.devices import physical_device
+from loongsage.transfer.buckets import plan_buckets
+
+EXPORT_CHUNK_MB = 64  # weights gathered at a time for a mapped write, a checksum or a disk export
 from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors
 
 
@@ -73,8 +76,8 @@ class TrainerRank:
         cfg = None if loss_cfg is None else LossConfig.model_validate(loss_cfg)
         return self.backend.train_step(batch, loss, cfg, denominator)
 
-    def full_state_dict(self):
-        return self.backend.full_state_dict()
+    def full_state_dict(self, names: list[str] | None = None):
+        return self.backend.full_state_dict(names)
 
     def weight_meta(self) -> list:
         return self.backend.weight_meta()
@@ -88,66 +91,96 @@ class TrainerRank:
         self._join_sender()
         self.weight_group = None
 
+    def _export(self, buckets: list[list[str]]):
+        """(names, full tensors on rank 0 / None elsewhere) per bucket, each gathered alone: an export
+        never holds more than one bucket beside the sharded model. A collective: every rank must
+        consume it to the end with the same buckets."""
+        for names in buckets:
+            yield names, self.backend.full_state_dict(names)
+
+    def _chunks(self, names: list[str] | None = None) -> list[list[str]]:
+        """`names` (default: every exported tensor) in buckets of about EXPORT_CHUNK_MB, in order."""
+        meta = self.backend.weight_meta()
+        if names is not None:
+            keep = set(names)
+            meta = [m for m in meta if m[0] in keep]
+        return [[meta[i][0] for i in b] for b in plan_buckets(meta, EXPORT_CHUNK_MB * 2**20, 4)]
+
     def broadcast_weights(self, buckets: list[list[str]], dtype: str | None) -> float:
-        """Gathers full weights (all ranks); rank 0 packs one flat tensor per bucket (a snapshot) and
-        broadcasts them from a background thread, so the next train step may start at once: the
-        weights of version v travel while v+1 trains. Receivers confirm the version themselves."""
+        """Gathers the weights bucket by bucket (all ranks); rank 0 packs one flat tensor per bucket
+        (a snapshot) and broadcasts them from a background thread, so the next train step may start
+        at once: the weights of version v travel while v+1 trains. Receivers confirm the version."""
         self._join_sender()
-        sd = self.backend.full_state_dict()
-        if self.rank != 0:
-            return 0.0
-        if self.weight_group is None:
+        if self.rank == 0 and self.weight_group is None:
             raise RuntimeError("broadcast_weights before init_weight_group")
         cast = dtype_from_name(dtype) if dtype else None
         flats = []
-        for names in buckets:
-            flat = torch.cat([sd[n].reshape(-1) for n in names])
-            flats.append(flat.to(cast) if cast is not None else flat)
+        for names, sd in self._export(buckets):
+            if self.rank == 0:
+                flat = torch.cat([sd[n].reshape(-1) for n in names])
+                flats.append(flat.to(device=self.backend.device, dtype=cast or flat.dtype))  # NCCL: on the GPU
+        if self.rank != 0:
+            return 0.0
         self._sender = threading.Thread(target=self._send, args=(flats,), name="weight-sender", daemon=True)
         self._sender.start()
         return float(sum(f.numel() * f.element_size() for f in flats))
 
     def weights_checksum(self, names: list[str], dtype: str | None) -> int | None:
-        """The exported weights' checksum in the receivers' dtype (rank 0; a collective on all ranks)."""
-        sd = self.backend.full_state_dict()
-        if self.rank != 0:
-            return None
-        return weights_checksum(sd, names, dtype_from_name(dtype) if dtype else None)
+        """The exported weights' checksum in the receivers' dtype (rank 0; a collective on all ranks),
+        gathered chunk by chunk."""
+        order = checksum_order(names)
+        cast = dtype_from_name(dtype) if dtype else None
+        total = 0
+        for _, sd in self._export(self._chunks(names)):
+            if self.rank == 0:
+                total += checksum_part(sd, order, cast)
+        return finish_checksum(total) if self.rank == 0 else None
 
     def pack_shared(self, buckets: list[list[str]], dtype: str | None, receivers: int = 1,
                     on_device: bool = False) -> tuple[list[list[str]], float]:
-        """Rank 0 copies the full weights into reused shared buffers, one per bucket, and returns per
-        bucket one handle per receiver (`load_format="flattened_bucket"`): only the handle crosses HTTP.
-        `on_device`: the buffers live on the trainer's GPU and the handles are CUDA IPC handles."""
-        sd = self.backend.full_state_dict()
+        """Rank 0 copies the weights, gathered bucket by bucket, into reused shared buffers, one per
+        bucket, and returns per bucket one handle per receiver (`load_format="flattened_bucket"`):
+        only the handle crosses HTTP. `on_device`: the buffers live on the trainer's GPU and the
+        handles are CUDA IPC handles."""
         if self.rank != 0:
+            for _ in self._export(buckets):
+                pass
             return [], 0.0
-        held = (self._on_device if on_device else self._shm).fill([[(n, sd[n]) for n in names] for names in buckets], dtype_from_name(dtype) if dtype else None)
-        return (self._on_device if on_device else self._shm).handles(receivers), held
+        shared = self._on_device if on_device else self._shm
+        held = shared.fill(([(n, sd[n]) for n in names] for names, sd in self._export(buckets)),
+                           dtype_from_name(dtype) if dtype else None)
+        return shared.handles(receivers), held
 
     def map_receivers(self, handles: dict[str, list[str]]) -> bool:
         """Rank 0 maps each same-host receiver's two weight buffers (`/map_weights`) once."""
-        if self.rank == 0:  # shm and cuda_ipc receivers are mapped by their own transports
-            self._mapped.update({name: [deserialize_named_tensors(h) for h in pair] for name, pair in handles.items()})
+        if self.rank != 0:
+            return True
+        exported = {m[0] for m in self.backend.weight_meta()}
+        for name, pair in handles.items():  # shm and cuda_ipc receivers are mapped by their own transports
+            self._mapped[name] = [deserialize_named_tensors(h) for h in pair]
+            missing = sorted({m["name"] for m in self._mapped[name][0]["metadata"]} - exported)
+            if missing:
+                raise KeyError(f"receiver {name} maps {missing}, which the trainer does not export")
         return True
 
     def write_mapped(self, targets: dict[str, int]) -> float:
-        """Rank 0 writes the exported weights straight into each receiver's standby buffer (`targets`:
-        receiver -> buffer index), casting to the receiver's dtype: the only copy of a same-host sync.
-        Runs before the next train step, so it is a snapshot of this version."""
-        sd = self.backend.full_state_dict()
-        if self.rank != 0:
-            return 0.0
+        """Rank 0 writes the exported weights, gathered chunk by chunk, straight into each receiver's
+        standby buffer (`targets`: receiver -> buffer index), casting to the receiver's dtype: the only
+        copy of a same-host sync. Runs before the next train step, so it is a snapshot of this version."""
         written = 0.0
         with torch.no_grad():
-            for name, idx in targets.items():
-                payload = self._mapped[name][idx]
-                flat = payload["flattened_tensor"]
-                for m in payload["metadata"]:
-                    if m["name"] not in sd:
-                        raise KeyError(f"receiver {name} maps {m['name']!r}, which the trainer does not export")
-                    flat[m["start"]:m["end"]].copy_(sd[m["name"]].reshape(-1))
-                written = float(flat.numel() * flat.element_size())
+            for names, sd in self._export(self._chunks()):
+                if self.rank != 0:
+                    continue
+                for name, idx in targets.items():
+                    payload = self._mapped[name][idx]
+                    flat, where = payload["flattened_tensor"], _slices(payload)
+                    for n in names:
+                        if n in where:
+                            flat[where[n]].copy_(sd[n].reshape(-1))
+        if self.rank == 0:  # per receiver (the transport multiplies by their number)
+            written = max((float(f.numel() * f.element_size())
+                           for f in (self._mapped[n][i]["flattened_tensor"] for n, i in targets.items())), default=0.0)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the receiver flips right after: the copies must have landed
         return written
@@ -155,11 +188,13 @@ class TrainerRank:
     def write_weights(self, path: str, names: list[str], dtype: str | None) -> float:
         """Rank 0 writes the exported weights (in the receivers' dtype) as an HF folder: the disk
         transport, which any engine can load (`/update_weights_from_disk`)."""
-        sd = self.backend.full_state_dict()
+        cast = dtype_from_name(dtype) if dtype else None
+        weights = {}
+        for chunk, sd in self._export(self._chunks(names)):
+            if self.rank == 0:
+                weights.update({n: sd[n].to(dtype=cast or sd[n].dtype, device="cpu", copy=True) for n in chunk})
         if self.rank != 0:
             return 0.0
-        cast = dtype_from_name(dtype) if dtype else None
-        weights = {n: (sd[n].to(cast) if cast is not None else sd[n]) for n in names}
         write_hf_folder(Path(path), weights, self.model_path, None)
         return float(sum(t.numel() * t.element_size() for t in weights.values()))
 
@@ -193,3 +228,10 @@ class TrainerRank:
         self._mapped = {}
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _slices(payload: dict) -> dict[str, slice]:
+    """Where each tensor sits in a mapped flat buffer (computed once per buffer, kept with it)."""
+    if "_slices" not in payload:
+        payload["_slices"] = {m["name"]: slice(m["start"], m["end"]) for m in payload["metadata"]}
+    return payload["_slices"]

@@ -16,7 +16,7 @@ import time
 
 from loongsage.rollout.client import EngineClient
 from loongsage.trainer.group import TrainerGroup
-from loongsage.transfer.distributed_sync import plan_buckets
+from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.transport import WeightTransport
 
 

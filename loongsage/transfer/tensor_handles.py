@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+from collections.abc import Iterable
 
 import torch
 import torch.multiprocessing as tmp
@@ -105,17 +106,27 @@ class SharedBuckets:
         self.device = torch.device(device)
         self._bufs: list[tuple[torch.Tensor, list[dict]]] = []
 
-    def fill(self, buckets: list[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> float:
-        """Copies (and casts) every tensor into its slice; returns the bytes held."""
-        layout = [flat_layout(b) for b in buckets]
-        if [meta for _, meta in self._bufs] != layout:
-            self.release()
-            self._bufs = [(shared_buffer(sum(t.numel() for _, t in b), dtype or b[0][1].dtype, self.device), meta)
-                          for b, meta in zip(buckets, layout)]
+    def fill(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> float:
+        """Copies (and casts) every tensor into its slice, bucket by bucket as `buckets` yields them (a
+        lazy export holds one bucket at a time); returns the bytes held."""
+        count = 0
         with torch.no_grad():  # sources may be parameters; the buffers stay plain tensors
-            for (buf, meta), bucket in zip(self._bufs, buckets):
+            for k, bucket in enumerate(buckets):
+                meta = flat_layout(bucket)
+                if k >= len(self._bufs) or self._bufs[k][1] != meta:  # a new layout: a new buffer, once
+                    buf = shared_buffer(sum(t.numel() for _, t in bucket), dtype or bucket[0][1].dtype, self.device)
+                    if k < len(self._bufs):
+                        release_shared(self._bufs[k][0])
+                        self._bufs[k] = (buf, meta)
+                    else:
+                        self._bufs.append((buf, meta))
+                buf = self._bufs[k][0]
                 for m, (_, t) in zip(meta, bucket):  # no temporary: straight into the slice
                     buf[m["start"]: m["end"]].copy_(t.reshape(-1))
+                count = k + 1
+        for buf, _ in self._bufs[count:]:
+            release_shared(buf)
+        del self._bufs[count:]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # receivers read as soon as they get the handle
         return float(sum(b.numel() * b.element_size() for b, _ in self._bufs))
