@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import queue
 import threading
 from pathlib import Path
 
@@ -107,23 +108,29 @@ class TrainerRank:
         return [[meta[i][0] for i in b] for b in plan_buckets(meta, EXPORT_CHUNK_MB * 2**20, 4)]
 
     def broadcast_weights(self, buckets: list[list[str]], dtype: str | None) -> float:
-        """Gathers the weights bucket by bucket (all ranks); rank 0 packs one flat tensor per bucket
-        (a snapshot) and broadcasts them from a background thread, so the next train step may start
-        at once: the weights of version v travel while v+1 trains. Receivers confirm the version."""
+        """Gathers the weights bucket by bucket (all ranks); rank 0 packs one flat tensor per bucket (a
+        snapshot) and hands each to a sender thread as soon as it is packed, so bucket k is on the wire
+        while k + 1 is gathered and packed, and the next train step may start once the last is packed:
+        the weights of version v travel while v+1 trains. Receivers confirm the version themselves."""
         self._join_sender()
         if self.rank == 0 and self.weight_group is None:
             raise RuntimeError("broadcast_weights before init_weight_group")
         cast = dtype_from_name(dtype) if dtype else None
-        flats = []
-        for names, sd in self._export(buckets):
-            if self.rank == 0:
-                flat = torch.cat([sd[n].reshape(-1) for n in names])
-                flats.append(flat.to(device=self.backend.device, dtype=cast or flat.dtype))  # NCCL: on the GPU
-        if self.rank != 0:
-            return 0.0
-        self._sender = threading.Thread(target=self._send, args=(flats,), name="weight-sender", daemon=True)
-        self._sender.start()
-        return float(sum(f.numel() * f.element_size() for f in flats))
+        packed: queue.Queue = queue.Queue()
+        if self.rank == 0:
+            self._sender = threading.Thread(target=self._send, args=(packed,), name="weight-sender", daemon=True)
+            self._sender.start()
+        sent = 0.0
+        try:
+            for names, sd in self._export(buckets):
+                if self.rank == 0:
+                    flat = torch.cat([sd[n].reshape(-1) for n in names])
+                    flat = flat.to(device=self.backend.device, dtype=cast or flat.dtype)  # NCCL: on the GPU
+                    packed.put(flat)
+                    sent += flat.numel() * flat.element_size()
+        finally:
+            packed.put(None)  # the sender stops after the last bucket (or at once, if packing failed)
+        return sent
 
     def weights_checksum(self, names: list[str], dtype: str | None) -> int | None:
         """The exported weights' checksum in the receivers' dtype (rank 0; a collective on all ranks),
@@ -136,20 +143,19 @@ class TrainerRank:
                 total += checksum_part(sd, order, cast)
         return finish_checksum(total) if self.rank == 0 else None
 
-    def pack_shared(self, buckets: list[list[str]], dtype: str | None, receivers: int = 1,
-                    on_device: bool = False) -> tuple[list[list[str]], float]:
-        """Rank 0 copies the weights, gathered bucket by bucket, into reused shared buffers, one per
-        bucket, and returns per bucket one handle per receiver (`load_format="flattened_bucket"`):
-        only the handle crosses HTTP. `on_device`: the buffers live on the trainer's GPU and the
-        handles are CUDA IPC handles."""
+    def pack_shared(self, k: int, names: list[str], dtype: str | None, receivers: int = 1,
+                    on_device: bool = False) -> tuple[list[str], float]:
+        """Bucket `k` of a staging-buffer sync: gathered alone (all ranks), copied by rank 0 into its
+        reused shared buffer; returns one handle per receiver (`load_format="flattened_bucket"`): only
+        the handle crosses HTTP. One call per bucket, all submitted before the next train step, so the
+        receivers load bucket k while rank 0 packs k + 1. `on_device`: the buffers live on the trainer's
+        GPU and the handles are CUDA IPC handles."""
+        (_, sd), = self._export([names])
         if self.rank != 0:
-            for _ in self._export(buckets):
-                pass
             return [], 0.0
         shared = self._on_device if on_device else self._shm
-        held = shared.fill(([(n, sd[n]) for n in names] for names, sd in self._export(buckets)),
-                           dtype_from_name(dtype) if dtype else None)
-        return shared.handles(receivers), held
+        held = shared.fill_one(k, [(n, sd[n]) for n in names], dtype_from_name(dtype) if dtype else None)
+        return shared.handles_of(k, receivers), held
 
     def map_receivers(self, handles: dict[str, list[str]]) -> bool:
         """Rank 0 maps each same-host receiver's two weight buffers (`/map_weights`) once."""
@@ -198,12 +204,14 @@ class TrainerRank:
         write_hf_folder(Path(path), weights, self.model_path, None)
         return float(sum(t.numel() * t.element_size() for t in weights.values()))
 
-    def _send(self, flats: list[torch.Tensor]) -> None:
+    def _send(self, packed: queue.Queue) -> None:
         try:
-            for flat in flats:
+            while (flat := packed.get()) is not None:
                 broadcast(self.weight_group, flat)
         except BaseException as exc:  # reported by the next broadcast_weights
             self._send_error = exc
+            while packed.get() is not None:  # let the packer finish its snapshot
+                pass
 
     def _join_sender(self) -> None:
         if self._sender is not None:

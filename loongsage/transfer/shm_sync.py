@@ -4,9 +4,10 @@
 With `on_device` the buffers live on the trainer's GPU and the handles are CUDA IPC handles: the
 `cuda_ipc` route to SGLang engines on the same GPU (SGLang's own colocated path).
 
-Same interface as `DistributedWeightSync` (begin / deliver / push): `begin` submits the copy to the
-trainer ranks now, so it is ordered before their next train step; `deliver` feeds the engines and
-confirms the version. The next version is packed only after this one was confirmed, so a buffer is
+Same interface as `DistributedWeightSync` (begin / deliver / push): `begin` submits one packing call
+per bucket to the trainer ranks now, so all are ordered before their next train step; `deliver`
+feeds the engines bucket by bucket as each is packed (loading k overlaps packing k + 1) and confirms
+the version. The next version is packed only after this one was confirmed, so a buffer is
 never rewritten while an engine reads it.
 """
 from __future__ import annotations
@@ -31,17 +32,20 @@ class ShmWeightSync(WeightTransport):
         self.buckets = plan_buckets(meta, int(bucket_mb * 2**20), elem)
         self.bucket_names = [[meta[i][0] for i in b] for b in self.buckets]
 
-    def begin(self, version: int) -> tuple[list, float]:
-        return ([r.pack_shared.remote(self.bucket_names, self.dtype, len(self.clients), self.on_device)
-                 for r in self.trainers.ranks],
-                time.perf_counter())
+    def begin(self, version: int) -> tuple[list[list], float]:
+        """One packing call per bucket and rank, all submitted now (before the next train step)."""
+        return ([[r.pack_shared.remote(k, names, self.dtype, len(self.clients), self.on_device)
+                  for r in self.trainers.ranks] for k, names in enumerate(self.bucket_names)], time.perf_counter())
 
-    async def deliver(self, version: int, begun: tuple[list, float]) -> dict[str, float]:
+    async def deliver(self, version: int, begun: tuple[list[list], float]) -> dict[str, float]:
+        """Bucket by bucket: the engines load bucket k while the trainer packs k + 1."""
         refs, t0 = begun
-        handles, sent = (await asyncio.gather(*refs))[0]
-        for k, per_receiver in enumerate(handles):
-            last = k == len(handles) - 1
+        sent = 0.0
+        for k, per_rank in enumerate(refs):
+            handles, held = (await asyncio.gather(*per_rank))[0]
+            sent += held
+            last = k == len(refs) - 1
             await asyncio.gather(*[c.update_weights_from_tensor(h, weight_version=version if last else None,
                                                                 load_format="flattened_bucket")
-                                   for c, h in zip(self.clients, per_receiver)])
+                                   for c, h in zip(self.clients, handles)])
         return await self.finish(version, t0, sent)

@@ -110,31 +110,41 @@ class SharedBuckets:
         """Copies (and casts) every tensor into its slice, bucket by bucket as `buckets` yields them (a
         lazy export holds one bucket at a time); returns the bytes held."""
         count = 0
-        with torch.no_grad():  # sources may be parameters; the buffers stay plain tensors
-            for k, bucket in enumerate(buckets):
-                meta = flat_layout(bucket)
-                if k >= len(self._bufs) or self._bufs[k][1] != meta:  # a new layout: a new buffer, once
-                    buf = shared_buffer(sum(t.numel() for _, t in bucket), dtype or bucket[0][1].dtype, self.device)
-                    if k < len(self._bufs):
-                        release_shared(self._bufs[k][0])
-                        self._bufs[k] = (buf, meta)
-                    else:
-                        self._bufs.append((buf, meta))
-                buf = self._bufs[k][0]
-                for m, (_, t) in zip(meta, bucket):  # no temporary: straight into the slice
-                    buf[m["start"]: m["end"]].copy_(t.reshape(-1))
-                count = k + 1
+        for k, bucket in enumerate(buckets):
+            self.fill_one(k, bucket, dtype)
+            count = k + 1
         for buf, _ in self._bufs[count:]:
             release_shared(buf)
         del self._bufs[count:]
+        return float(sum(b.numel() * b.element_size() for b, _ in self._bufs))
+
+    def fill_one(self, k: int, bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> float:
+        """Bucket `k` alone (buckets are filled in order: 0, 1, ...); returns its bytes."""
+        meta = flat_layout(bucket)
+        if k > len(self._bufs):
+            raise IndexError(f"bucket {k} filled before bucket {len(self._bufs)}")
+        if k == len(self._bufs) or self._bufs[k][1] != meta:  # a new layout: a new buffer, once
+            buf = shared_buffer(sum(t.numel() for _, t in bucket), dtype or bucket[0][1].dtype, self.device)
+            if k < len(self._bufs):
+                release_shared(self._bufs[k][0])
+                self._bufs[k] = (buf, meta)
+            else:
+                self._bufs.append((buf, meta))
+        buf = self._bufs[k][0]
+        with torch.no_grad():  # sources may be parameters; the buffers stay plain tensors
+            for m, (_, t) in zip(meta, bucket):  # no temporary: straight into the slice
+                buf[m["start"]: m["end"]].copy_(t.reshape(-1))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # receivers read as soon as they get the handle
-        return float(sum(b.numel() * b.element_size() for b, _ in self._bufs))
+        return float(buf.numel() * buf.element_size())
 
     def handles(self, receivers: int) -> list[list[str]]:
         """Per bucket, one `flattened_bucket` handle per receiver."""
-        return [[serialize_payload({"flattened_tensor": buf, "metadata": meta}) for _ in range(receivers)]
-                for buf, meta in self._bufs]
+        return [self.handles_of(k, receivers) for k in range(len(self._bufs))]
+
+    def handles_of(self, k: int, receivers: int) -> list[str]:
+        buf, meta = self._bufs[k]
+        return [serialize_payload({"flattened_tensor": buf, "metadata": meta}) for _ in range(receivers)]
 
     def release(self) -> None:
         for buf, _ in self._bufs:
