@@ -17,14 +17,14 @@ from loongsage.algo.losses import LossConfig
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import write_hf_folder
+from loongsage.heap import freeze_long_lived
+from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.checksum import checksum_order, checksum_part, finish_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
-from loongsage.heap import freeze_long_lived
 from loongsage.transfer.devices import physical_device
-from loongsage.transfer.buckets import plan_buckets
+from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors
 
 EXPORT_CHUNK_MB = 64  # weights gathered at a time for a mapped write, a checksum or a disk export
-from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors
 
 
 class TrainerRank:
