@@ -56,6 +56,8 @@ class TrainerRank:
         self._shm = SharedBuckets()  # /dev/shm staging buffers (shm route, SGLang receivers)
         self._on_device = SharedBuckets(self.backend.device)  # cuda_ipc route, SGLang receivers
         self._mapped: dict[str, list[dict]] = {}  # receiver -> its two mapped weight buffers
+        self._meta = self.backend.weight_meta()  # the exported tensors: fixed for the rank's life
+        self._all_chunks = self._chunks()  # what a mapped write gathers at a time, every version
         freeze_long_lived()  # torch, the model, the optimizer: out of the cyclic GC's full passes (heap.py)
 
     def where(self) -> tuple[str, str]:
@@ -81,7 +83,7 @@ class TrainerRank:
         return self.backend.full_state_dict(names)
 
     def weight_meta(self) -> list:
-        return self.backend.weight_meta()
+        return list(self._meta)
 
     def init_weight_group(self, master_address: str, port: int, world_size: int, group_name: str, backend: str) -> bool:
         if self.rank == 0:
@@ -101,7 +103,7 @@ class TrainerRank:
 
     def _chunks(self, names: list[str] | None = None) -> list[list[str]]:
         """`names` (default: every exported tensor) in buckets of about EXPORT_CHUNK_MB, in order."""
-        meta = self.backend.weight_meta()
+        meta = self._meta
         if names is not None:
             keep = set(names)
             meta = [m for m in meta if m[0] in keep]
@@ -161,7 +163,7 @@ class TrainerRank:
         """Rank 0 maps each same-host receiver's two weight buffers (`/map_weights`) once."""
         if self.rank != 0:
             return True
-        exported = {m[0] for m in self.backend.weight_meta()}
+        exported = {m[0] for m in self._meta}
         for name, pair in handles.items():  # shm and cuda_ipc receivers are mapped by their own transports
             self._mapped[name] = [deserialize_named_tensors(h) for h in pair]
             missing = sorted({m["name"] for m in self._mapped[name][0]["metadata"]} - exported)
@@ -175,7 +177,7 @@ class TrainerRank:
         copy of a same-host sync. Runs before the next train step, so it is a snapshot of this version."""
         written = 0.0
         with torch.no_grad():
-            for names, sd in self._export(self._chunks()):
+            for names, sd in self._export(self._all_chunks):
                 if self.rank != 0:
                     continue
                 for name, idx in targets.items():
