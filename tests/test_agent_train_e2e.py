@@ -30,8 +30,9 @@ def _steps(run_dir) -> list[dict]:
 
 def _exact_tokens(steps: list[dict]) -> None:
     for r in steps:
-        assert r["mismatch/max_abs_logprob_diff"] < 1e-3, r["mismatch/max_abs_logprob_diff"]
         assert r["agent/failed_frac"] == 0.0
+    trained = [r for r in steps if r["samples/trained"]]  # a step without a learning signal trains nothing
+    assert trained and all(r["mismatch/max_abs_logprob_diff"] < 1e-3 for r in trained)
 
 
 @pytest.mark.slow

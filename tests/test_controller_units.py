@@ -85,3 +85,17 @@ def test_metrics_jsonl_and_tensorboard(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     with pytest.raises(FileNotFoundError, match="no metrics"):
         read_metrics(tmp_path / "nothing")
+
+
+def test_a_batch_without_learning_signal_is_not_trained():
+    """All-zero advantages (every group's rewards equal) give a zero gradient, but Adam's momentum
+    would still move the weights: such a batch must be skipped unless a KL or entropy term acts."""
+    from loongsage.algo.losses import LossConfig
+    from loongsage.controller.train import has_learning_signal
+
+    flat = [Sample([1], [2, 3], [1, 1], [-0.1, -0.2], [0, 0], advantage=0.0) for _ in range(4)]
+    assert not has_learning_signal(flat, LossConfig())
+    assert has_learning_signal(flat, LossConfig(kl_coef=0.01))
+    assert has_learning_signal(flat, LossConfig(entropy_coef=0.01))
+    flat[2].advantage = -0.35
+    assert has_learning_signal(flat, LossConfig())

@@ -46,7 +46,7 @@ def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, sh
     assert len(steps) == 100
     for r in steps:
         assert all(k in r for k in REQUIRED), sorted(set(REQUIRED) - set(r))
-        assert r["mismatch/abs_logprob_diff"] < 1e-4  # fp32 engine and trainer: no gap
+        assert not r["samples/trained"] or r["mismatch/abs_logprob_diff"] < 1e-4  # fp32 both sides: no gap
         assert r["staleness/max"] == 0  # synchronous loop
     # the recipe's settings: +0.06 between these windows in a full run; 20-step means are +-0.01
     first = sum(r["reward/mean"] for r in steps[:20]) / 20
@@ -76,7 +76,8 @@ def test_async_run_keeps_every_sample_inside_the_window(ray_session, tmp_path, s
     assert len(steps) == 30
     assert all(r["staleness/max"] <= 2 for r in steps)
     assert max(r["staleness/max"] for r in steps) >= 1  # generation really ran ahead
-    assert min(r["mismatch/abs_logprob_diff"] for r in steps) > 1e-4  # bf16 engine vs fp32 trainer
+    gaps = [r["mismatch/abs_logprob_diff"] for r in steps if r["samples/trained"]]  # null: nothing trained
+    assert gaps and min(gaps) > 1e-4  # bf16 engine vs fp32 trainer
     assert all("is/clip_frac" in r and r["is/weight_mean"] > 0 for r in steps)
     assert all(r["samples/cancelled"] >= 0 and r["samples/dropped_stale"] >= 0 for r in steps)
     assert all(sum(v for k, v in r.items() if k.startswith("staleness/hist/")) == r["samples/trained"] for r in steps)

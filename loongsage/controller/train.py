@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 
 from loongsage.agentflow.runner import EpisodeRunner
 from loongsage.algo import advantages as adv
+from loongsage.algo.losses import LossConfig
 from loongsage.buffer import StalenessWindow
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy
@@ -147,11 +148,22 @@ async def _next_batch(step: int, cfg: RunConfig, tok, producer: RolloutProducer,
     with timeline.span("controller: wait for batch", f"batch {step}"):
         groups, sampled, dropped = await _take_batch(step, cfg, producer, window)
     samples = [s for g in groups for s in g.samples]
+    if samples and not has_learning_signal(samples, cfg.algo.loss):
+        samples = []
     record: dict = {"step": step, "version": step, "samples/trained": len(samples),
-                    "samples/dropped_stale": dropped, "samples/filtered_groups": len(sampled) - len(groups)}
+                    "samples/dropped_stale": dropped, "samples/filtered_groups": len(sampled) - len(groups),
+                    "train/skipped_no_signal": float(bool(groups) and not samples)}
     record.update(_reward_metrics(sampled))
     record.update(_agent_metrics(sampled))
     return record, (collate(samples, tok.pad_token_id) if samples else None), samples
+
+
+def has_learning_signal(samples: list[Sample], loss: LossConfig) -> bool:
+    """Whether the batch can move the policy: some advantage is non-zero, or the loss has a KL or
+    entropy term. Without one the step is skipped: the gradient would be zero, yet Adam's momentum
+    alone would keep pushing the weights the way the last batches did (on a sparse-reward task that
+    drift can erase the behaviour that earns rewards before any reward arrives to stop it)."""
+    return loss.kl_coef > 0 or loss.entropy_coef > 0 or any(s.advantage != 0.0 for s in samples)
 
 
 async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, object, list[Sample]],
@@ -165,9 +177,9 @@ async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, o
             batch.ref_logprobs, _ = await rt.reference.compute_logprobs(batch)
         record.update(await rt.trainers.train_step(batch, "policy", cfg.algo.loss))
         record.update(_staleness_metrics(step, samples))
-    else:  # nothing informative arrived: no update, but the version still advances with the sync
-        record.update({"staleness/mean": 0.0, "staleness/max": 0.0, "mismatch/kl": 0.0,
-                       "mismatch/abs_logprob_diff": 0.0})
+    else:  # no learning signal arrived: no update (the gap is not measured), but the version advances
+        record.update({"staleness/mean": 0.0, "staleness/max": 0.0, "mismatch/kl": None,
+                       "mismatch/abs_logprob_diff": None})
     record["time/train_s"] = time.perf_counter() - t_train
     timeline.add("trainer: train", f"train {step}", t_train, time.perf_counter())
     return record
