@@ -62,4 +62,6 @@ def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_p
     _exact_tokens(steps)
     assert all(r["agent/drift_rate"] == 0.0 for r in steps)  # the SDK's echoed history always extends
     assert sum(r["agent/tool_calls_mean"] for r in steps) > 0 and sum(r["reward/mean"] for r in steps) > 0
-    assert all(r["samples/trained"] > 0 for r in steps)
+    # a step trains its batch unless no group in it has a learning signal (all rewards equal)
+    assert all(r["samples/trained"] > 0 or r["train/skipped_no_signal"] for r in steps)
+    assert sum(r["samples/trained"] > 0 for r in steps) >= 4

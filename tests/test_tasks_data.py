@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,6 +36,11 @@ def test_calculator_refuses_anything_but_arithmetic():
     for bad in ["__import__('os')", "2**1000", "a+1", "1/0", "1" * 300]:
         with pytest.raises(ValueError):
             evaluate_expression(bad)
+    with warnings.catch_warnings(record=True) as caught:  # refused without a SyntaxWarning in the log
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="not an arithmetic expression"):
+            evaluate_expression("2if 3")
+    assert not caught, [str(w.message) for w in caught]
 
 
 def test_prepared_eval_rows_are_disjoint_from_train(tmp_path):

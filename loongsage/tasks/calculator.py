@@ -9,6 +9,7 @@ import ast
 import operator
 import random
 import re
+import warnings
 
 from loongsage.tasks.base import TaskRow, TaskSpec, draw_unique, register
 
@@ -34,7 +35,9 @@ def evaluate_expression(expression: str, max_len: int = 200) -> str:
     if len(expression) > max_len:
         raise ValueError(f"expression longer than {max_len} characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        with warnings.catch_warnings():  # e.g. "2if 3": a SyntaxWarning would reach the run's log
+            warnings.simplefilter("error", SyntaxWarning)
+            tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"not an arithmetic expression: {expression!r}") from exc
 
