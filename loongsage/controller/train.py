@@ -152,7 +152,7 @@ async def _next_batch(step: int, cfg: RunConfig, tok, producer: RolloutProducer,
         samples = []
     record: dict = {"step": step, "version": step, "samples/trained": len(samples),
                     "samples/dropped_stale": dropped, "samples/filtered_groups": len(sampled) - len(groups),
-                    "train/skipped_no_signal": float(bool(groups) and not samples)}
+                    "train/skipped_no_signal": float(not samples)}
     record.update(_reward_metrics(sampled))
     record.update(_agent_metrics(sampled))
     return record, (collate(samples, tok.pad_token_id) if samples else None), samples
