@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import tempfile
 import time
@@ -109,24 +110,26 @@ def run_trl(cfg: RunConfig, base: str, target: float, max_steps: int, eval_every
     callback = EvalAndStop()
     clock = {"generate_s": 0.0, "step_s": 0.0, "steps": 0}
 
+    @contextlib.contextmanager
+    def timed(key: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            clock[key] += time.perf_counter() - t
+
     class TimedGRPOTrainer(GRPOTrainer):
         """Splits TRL's step into its generation (HF generate, in `_generate_single_turn` in TRL 1.x)
         and the rest, to show where its time goes."""
 
         def training_step(self, *a, **k):
-            t = time.perf_counter()
-            try:
+            clock["steps"] += 1
+            with timed("step_s"):
                 return super().training_step(*a, **k)
-            finally:
-                clock["step_s"] += time.perf_counter() - t
-                clock["steps"] += 1
 
         def _generate_single_turn(self, *a, **k):
-            t = time.perf_counter()
-            try:
+            with timed("generate_s"):
                 return super()._generate_single_turn(*a, **k)
-            finally:
-                clock["generate_s"] += time.perf_counter() - t
 
     trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
                                processing_class=tok, callbacks=[callback])
