@@ -5,6 +5,8 @@ samples/trained, samples/dropped_stale, samples/cancelled, samples/filtered_grou
 mismatch/kl, mismatch/abs_logprob_diff, time/step_s, time/generate_s, time/train_s,
 time/generate_busy_frac, time/train_busy_frac, time/weight_sync_s, loss/*, is/*, train/*,
 and eval/accuracy, eval/<tag>/accuracy on the steps an evaluation ran after (step 0: before training).
+A step that trains nothing (`train/skipped_no_signal` 1) keeps every name, with the mismatch ones null:
+the train-inference gap is measured in the update's forward pass, and there was none.
 """
 from __future__ import annotations
 
