@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from loongsage.rollout.launcher import free_port
+from loongsage.cluster.network import LOOPBACK, Rendezvous
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, new_weight_group
 from loongsage.transfer.tensor_handles import deserialize_named_tensors, serialize_payload, shared_buffer
@@ -102,11 +102,12 @@ def measure(kind: str, numel: int, repeats: int, device: str = "cpu") -> tuple[f
         shared.zero_()  # resident, reused
     handle = serialize_payload({"flattened_tensor": shared, "metadata": []}) if shared is not None else None
     path = os.path.join(tempfile.mkdtemp(prefix="bench-disk-"), "w.safetensors") if kind == "disk" else None
-    port = free_port()
-    proc = ctx.Process(target=_receiver, args=(kind, device, numel, repeats, port, handle, path, go, done, result))
+    rdv = Rendezvous.open(LOOPBACK) if kind == "collective" else None
+    proc = ctx.Process(target=_receiver, args=(kind, device, numel, repeats, rdv and rdv.port, handle, path, go, done,
+                                               result))
     proc.start()
-    group = (new_weight_group("nccl" if device == "cuda" else "gloo", "127.0.0.1", port, 0, 2, "bench")
-             if kind == "collective" else None)
+    group = (new_weight_group("nccl" if device == "cuda" else "gloo", LOOPBACK, rdv.port, 0, 2, "bench",
+                              rendezvous=rdv) if rdv else None)
     times = []
     for _ in range(repeats):
         t = time.perf_counter()

@@ -6,21 +6,39 @@ import sys
 
 
 def _engine(ns: argparse.Namespace) -> None:
+    import os
+
     from loongsage.engine.config import EngineConfig
     from loongsage.engine.launch import serve
+    from loongsage.engine.security import API_KEY_ENV, EngineSecurity
 
     cfg = EngineConfig(dtype=ns.dtype, device=ns.device, max_running=ns.max_running,
                        context_length=ns.context_length, max_prefill_tokens=ns.max_prefill_tokens,
                        threads=ns.threads, prefix_cache=not ns.no_prefix_cache, weight_version=ns.weight_version,
                        cpu_affinity=[int(c) for c in ns.cpu_affinity.split(",")] if ns.cpu_affinity else None)
-    serve(ns.model, ns.host, ns.port, cfg, log_level=ns.log_level)
+    security = EngineSecurity(ns.api_key or os.environ.get(API_KEY_ENV) or None, tuple(ns.weight_roots),
+                              ns.shm_prefix)
+    serve(ns.model, ns.host, ns.port, cfg, log_level=ns.log_level, security=security)
 
 
 def _serve(ns: argparse.Namespace) -> None:
     from loongsage.agentflow.serve import serve
 
     serve(ns.model, ns.host, ns.port, ns.record_dir, ns.engine_url, ns.threads, ns.context_length,
-          ns.max_new_tokens, ns.served_model_name)
+          ns.max_new_tokens, ns.served_model_name, ns.engine_api_key)
+
+
+def _tool_python(ns: argparse.Namespace) -> int:
+    import asyncio
+    from pathlib import Path
+
+    from loongsage.agentflow.sandbox import SandboxLimits, run_python
+
+    code = Path(ns.file).read_text()
+    limits = SandboxLimits(timeout_s=ns.timeout_s, memory_mb=ns.memory_mb, max_processes=ns.max_processes)
+    res = asyncio.run(run_python(code, limits))
+    print(res.as_text(), end="" if res.as_text().endswith("\n") else "\n")
+    return 0 if res.ok else 1
 
 
 def _demo(ns: argparse.Namespace) -> None:
@@ -153,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-prefix-cache", action="store_true")
     e.add_argument("--cpu-affinity", default=None, help="comma-separated CPU cores to pin the engine to (Linux)")
     e.add_argument("--log-level", default="warning")
+    e.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                   "(SGLang's semantics; default: $LOONGSAGE_ENGINE_API_KEY, else none)")
+    e.add_argument("--weight-roots", nargs="*", default=[], metavar="DIR",
+                   help="folders /update_weights_from_disk may read below (besides --model)")
+    e.add_argument("--shm-prefix", default="loongsage-", help="/dev/shm names that weight handles may map")
     e.set_defaults(fn=_engine)
 
     sv = sub.add_parser("serve", help="a local model behind the OpenAI chat API (tool calls), every call recorded",
@@ -164,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--record-dir", default=None, help="folder for calls.jsonl (default: no recording)")
     sv.add_argument("--engine-url", default=None, help="use a running engine (embedded or SGLang) instead of starting one")
+    sv.add_argument("--engine-api-key", default=None, help="the --engine-url engine's API key, if it has one")
     sv.add_argument("--threads", type=int, default=1, help="engine torch threads")
     sv.add_argument("--context-length", type=int, default=None)
     sv.add_argument("--max-new-tokens", type=int, default=512, help="cap per call when the client sets none")
@@ -208,6 +232,18 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_engines=3")
     tp.set_defaults(fn=_transfer_plan)
 
+    to = sub.add_parser("tool", help="run an agent tool by hand", description="Run an agent tool by hand.")
+    tos = to.add_subparsers(dest="tool_cmd", required=True)
+    tpy = tos.add_parser("python", help="run a Python file through the tool sandbox and print the tool result",
+                         description="Run FILE as the `python` tool does (namespace sandbox: no network, no view of "
+                                     "the run's files, limits) and print what the model would get back; exit 1 when the "
+                                     "call failed. See docs/security.md.")
+    tpy.add_argument("file")
+    tpy.add_argument("--timeout-s", type=float, default=5.0)
+    tpy.add_argument("--memory-mb", type=int, default=256)
+    tpy.add_argument("--max-processes", type=int, default=32)
+    tpy.set_defaults(fn=_tool_python)
+
     m = sub.add_parser("make-model", help="build a tiny real-architecture HF model + char tokenizer",
                        description="Build a seeded tiny model (Qwen3/Qwen2/Llama) and save it in HF format.")
     m.add_argument("out", help="output folder")
@@ -229,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ns = build_parser().parse_args(argv)
     try:
-        ns.fn(ns)
+        rc = ns.fn(ns)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -238,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
+    return rc or 0
 
 
 if __name__ == "__main__":

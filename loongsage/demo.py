@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from pathlib import Path
 
@@ -35,8 +36,8 @@ def run_demo(cfg: RunConfig) -> dict:
     console.print(f"[bold]model[/] {model_dir}  [bold]task[/] {cfg.task.name} ({len(rows)} prompts)  "
                   f"[bold]run dir[/] {run_dir}")
     with launch_engine(str(model_dir), threads=cfg.engine.threads or 1, extra_args=cfg.engine.cli_args(),
-                       log_path=str(run_dir / "engine.log")) as engine:
-        summary = asyncio.run(_exercise(engine.url, tok, rows, spec, cfg, model_dir))
+                       log_path=str(run_dir / "engine.log"), api_key=secrets.token_urlsafe(32)) as engine:
+        summary = asyncio.run(_exercise(EngineClient(engine.url, engine.api_key), tok, rows, spec, cfg, model_dir))
     table = Table(title="embedded engine demo")
     for key in ("requests", "output_tokens", "tokens_per_s", "reward_mean", "weight_version_after_update",
                 "outputs_equal_after_reload"):
@@ -49,8 +50,7 @@ def run_demo(cfg: RunConfig) -> dict:
     return summary
 
 
-async def _exercise(url: str, tok, rows, spec, cfg: RunConfig, model_dir: Path) -> dict:
-    client = EngineClient(url)
+async def _exercise(client: EngineClient, tok, rows, spec, cfg: RunConfig, model_dir: Path) -> dict:
     try:
         params = cfg.sampling.sampling_params()
         t0 = time.perf_counter()

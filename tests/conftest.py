@@ -28,8 +28,10 @@ def tiny_model_b(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model):
-    with launch_engine(tiny_model, extra_args=["--max-running", "16", "--context-length", "256"]) as ep:
+def engine(tiny_model, tmp_path_factory):
+    """May load weight folders from anywhere under the session's temporary folder (the other models)."""
+    roots = ["--weight-roots", str(tmp_path_factory.getbasetemp())]
+    with launch_engine(tiny_model, extra_args=["--max-running", "16", "--context-length", "256", *roots]) as ep:
         yield ep
 
 

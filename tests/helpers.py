@@ -95,3 +95,44 @@ def scripted_tool_model(out_dir: str, steps: int = 280) -> str:
         opt.step()
     model.save_pretrained(path)
     return path
+
+
+class ListeningSockets:
+    """Watches, in a thread, the TCP sockets that this process and its descendants (Ray's processes,
+    actors, engines, the gateway) listen on, while a `with` block runs."""
+
+    def __init__(self, every_s: float = 0.3):
+        import threading
+
+        self.every_s, self.seen, self._stop = every_s, {}, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        for p in [me, *me.children(recursive=True)]:
+            try:
+                for c in p.net_connections(kind="tcp"):
+                    if c.status == psutil.CONN_LISTEN:
+                        self.seen[(c.laddr.ip, c.laddr.port)] = p.name()
+            except psutil.Error:  # ended meanwhile
+                pass
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._sample()
+
+    def __enter__(self) -> "ListeningSockets":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def beyond_loopback(self) -> dict:
+        from loongsage.cluster.network import is_loopback
+
+        return {addr: name for addr, name in self.seen.items() if not is_loopback(addr[0])}

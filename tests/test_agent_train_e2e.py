@@ -12,6 +12,7 @@ import pytest
 from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import read_metrics
+from helpers import ListeningSockets
 
 SHORT = ["task.train_size=2000", "task.eval_size=100", "train.max_minutes=null", "trainer.threads=1",
          "rollout.engine_threads=1"]
@@ -56,7 +57,9 @@ def test_whitebox_calculator_agent_learns(ray_session, tmp_path, shared):
 def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_path, shared):
     cfg = load_config("recipes/calc_agent_blackbox.yaml", SHORT + shared[0] + [
         f"run_dir={tmp_path / 'run'}", "train.steps=8", "train.eval_every=8", "train.eval_size=32"])
-    asyncio.run(train(cfg))
+    with ListeningSockets() as sockets:  # the gateway among them (agents reach it on loopback)
+        asyncio.run(train(cfg))
+    assert not sockets.beyond_loopback(), sockets.seen
     steps = _steps(tmp_path / "run")
     assert len(steps) == 8
     _exact_tokens(steps)

@@ -9,7 +9,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from loongsage.agentflow.chat_tokens import ChatTokens
-from loongsage.agentflow.sandbox import run_python
 from loongsage.agentflow.sessions import Session, SessionStore
 from loongsage.agentflow.toolcalls import ToolCall, parse_tool_calls
 from loongsage.agentflow.tools import ToolRegistry, calculator_tool, python_tool, registry_for
@@ -126,24 +125,6 @@ def test_tools_and_registry():
         registry_for([{"type": "function", "function": {"name": "teleport"}}])
     py = ToolRegistry().add(python_tool(timeout_s=2))
     assert asyncio.run(py.execute(ToolCall("python", {"code": "print(6*7)"}))) == "42\n"
-
-
-def test_sandbox_limits():
-    async def go():
-        return await asyncio.gather(
-            run_python("import os; print(os.getcwd())"),
-            run_python("import socket; socket.socket().connect(('127.0.0.1', 9))"),
-            run_python("import subprocess; subprocess.run(['true'])"),
-            run_python("x = bytearray(1 << 30)", memory_mb=128),
-            run_python("while True: pass", timeout_s=1),
-            run_python("print('a' * 100000)", max_output=50))
-    cwd, net, sub, mem, loop, big = asyncio.run(go())
-    assert "loongsage-sandbox-" in cwd.stdout and cwd.exit_code == 0
-    assert net.exit_code != 0 and "not allowed" in net.stderr
-    assert sub.exit_code != 0 and "subprocess.Popen is not allowed" in sub.stderr
-    assert mem.exit_code != 0 and "MemoryError" in mem.stderr
-    assert loop.timed_out and loop.as_text().startswith("error: time limit exceeded")
-    assert len(big.stdout) == 50
 
 
 def test_trajectory_samples():

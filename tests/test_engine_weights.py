@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from helpers import call, run, with_client
 from loongsage.models.factory import TinyModelSpec, build_tiny_model
 from loongsage.rollout.client import EngineError
-from loongsage.rollout.launcher import free_port, launch_engine
+from loongsage.cluster.network import Rendezvous
+from loongsage.rollout.launcher import launch_engine
 from loongsage.transfer.collective import broadcast, dtype_name, new_weight_group
 from loongsage.transfer.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
 
@@ -73,12 +74,14 @@ def test_update_from_tensor_handles_equals_fresh_engine(reset_engine, engine_b, 
 @pytest.mark.parametrize("flattened", [False, True])
 def test_update_from_distributed_gloo_equals_fresh_engine(reset_engine, engine_b, tiny_model_b, flattened):
     named = _weights(tiny_model_b)
-    port = free_port()
+    rdv = Rendezvous.open("127.0.0.1")
+    port = rdv.port
     group_name = f"wg-{int(flattened)}"
 
     async def go(client):
         holder = {}
-        t = threading.Thread(target=lambda: holder.update(pg=new_weight_group("gloo", "127.0.0.1", port, 0, 2, group_name)))
+        t = threading.Thread(target=lambda: holder.update(
+            pg=new_weight_group("gloo", "127.0.0.1", port, 0, 2, group_name, rendezvous=rdv)))
         t.start()
         res = await client.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1,
                                                       world_size=2, group_name=group_name)
@@ -105,10 +108,10 @@ def test_update_from_distributed_gloo_equals_fresh_engine(reset_engine, engine_b
     assert got[2] == "7"
 
 
-def test_bad_weight_updates_are_400_and_weights_unchanged(reset_engine):
+def test_bad_weight_updates_are_400_and_weights_unchanged(reset_engine, tmp_path):
     before = _fingerprint(reset_engine.url)
-    with pytest.raises(EngineError, match="no \\*.safetensors"):
-        call(reset_engine.url, lambda c: c.update_weights_from_disk("/nonexistent", weight_version=9))
+    with pytest.raises(EngineError, match="no \\*.safetensors"):  # an allowed folder without weights
+        call(reset_engine.url, lambda c: c.update_weights_from_disk(str(tmp_path), weight_version=9))
     bad = serialize_named_tensors({"model.embed_tokens.weight": torch.zeros(3, 3)})
     with pytest.raises(EngineError, match="shape"):
         call(reset_engine.url, lambda c: c.update_weights_from_tensor(bad, 9))

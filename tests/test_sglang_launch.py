@@ -26,6 +26,8 @@ def test_sglang_command_mirrors_the_engine_config():
     assert flags["--dtype"] == "bfloat16" and flags["--max-running-requests"] == "96"
     assert flags["--context-length"] == "2048" and flags["--weight-version"] == "7"
     assert "--disable-radix-cache" in cmd and cmd[-2:] == ["--tp-size", "2"]
+    keyed = sglang_command("/models/qwen3", "10.0.0.5", 30000, cfg.sglang_args_for(), api_key="k1")
+    assert keyed[-2:] == ["--api-key", "k1"]  # SGLang's own auth: every route but /health needs it
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="SGLang is installed here")

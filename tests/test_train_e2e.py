@@ -11,6 +11,7 @@ from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import REQUIRED, read_metrics
 from loongsage.plot import plot_run
+from helpers import ListeningSockets
 
 EASY = [
     "model.tiny.hidden_size=128", "model.tiny.max_position_embeddings=32",
@@ -71,7 +72,10 @@ def test_async_run_keeps_every_sample_inside_the_window(ray_session, tmp_path, s
         f"run_dir={tmp_path / 'run'}", "rollout.max_staleness=2", "engine.dtype=bfloat16",
         "algo.loss.is_mode=tis", "train.steps=30", "train.eval_every=30", "trainer.threads=1",
         "rollout.engine_threads=1"])
-    asyncio.run(train(cfg))
+    with ListeningSockets() as sockets:
+        asyncio.run(train(cfg))
+    # nothing of the run (Ray, trainer ranks, engines, their weight sync) listens beyond loopback
+    assert len(sockets.seen) >= 5 and not sockets.beyond_loopback(), sockets.seen
     steps = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0 and "reward/mean" in r]
     assert len(steps) == 30
     assert all(r["staleness/max"] <= 2 for r in steps)

@@ -9,7 +9,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from helpers import call, policy_batch
+from helpers import ListeningSockets, call, policy_batch
 from loongsage.algo.losses import LossConfig
 from loongsage.algo.mismatch import train_inference_gap
 from loongsage.engine.config import EngineConfig
@@ -136,10 +136,10 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
     gpu = {"gpus_per_rank": 0.4} if device == "cuda" else {}
     trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-2, device=device, **gpu), tiny_model)
     engines = EngineGroup(tiny_model, EngineConfig(max_running=16, context_length=128, device=device),
-                          RolloutConfig(engine_gpus=0.4))
+                          RolloutConfig(engine_gpus=0.4), weight_roots=(str(tmp_path / "weights"),))
     try:
         async def go():
-            router = Router(engines.urls)
+            router = Router(engines.urls, api_key=engines.api_key)
             # the engine's host, device and transports decide the route: same GPU -> cuda_ipc, same
             # host -> shm, another host -> collective, nothing in common but files -> disk
             routes = plan(sender, [receiver])
@@ -147,7 +147,8 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
             # (the trainer's staging buffers, the engine loads them by handle)
             sync = WeightMesh(routes, trainers, {"engine-0": engines.urls[0]}, "float32", bucket_mb=0.5,
                               backend="nccl" if transport.endswith("nccl") else "gloo", verify_every=1,
-                              disk_dir=str(tmp_path / "weights"), extensions=not transport.endswith("_handles"))
+                              disk_dir=str(tmp_path / "weights"), extensions=not transport.endswith("_handles"),
+                              api_key=engines.api_key)
             assert list(sync.parts) == [transport.removesuffix("_handles").removesuffix("_nccl")]
             assert len(sync.buckets) > 1 or transport in ("disk", "shm", "cuda_ipc")  # every version checksummed
             await sync.setup()
@@ -204,15 +205,17 @@ def test_two_host_mesh_relays_over_the_collective_and_fans_out(ray_session, tiny
 
         async def go():
             sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)}, "float32",
-                              bucket_mb=0.5, backend="gloo", verify_every=1)
+                              bucket_mb=0.5, backend="gloo", verify_every=1, api_key=engines.api_key)
             assert sorted(sync.parts) == ["collective", "relay_shm", "shm"]
-            await sync.setup()
-            for version in (1, 2):
-                await trainers.train_step(policy_batch(seed=version), "policy", LossConfig())
-                res = await sync.push(version)  # raises unless every engine confirms and checksums match
-                assert res["time/weight_sync_relay_shm_s"] > 0 and res["weight_sync/bytes"] > 0
+            with ListeningSockets() as sockets:  # the weight group's store and gloo sockets among them
+                await sync.setup()
+                for version in (1, 2):
+                    await trainers.train_step(policy_batch(seed=version), "policy", LossConfig())
+                    res = await sync.push(version)  # raises unless every engine confirms and checksums match
+                    assert res["time/weight_sync_relay_shm_s"] > 0 and res["weight_sync/bytes"] > 0
+            assert not sockets.beyond_loopback(), sockets.seen
             await trainers.save(str(tmp_path / "exported"))
-            router = Router(engines.urls)
+            router = Router(engines.urls, api_key=engines.api_key)
             outs = [await c.generate_batch(PROMPTS, GREEDY) for c in router.clients]
             infos = [await c.model_info() for c in router.clients]
             await router.aclose()

@@ -119,7 +119,10 @@ def _bucketed_export_is_the_full_export(group, full: dict) -> None:
 
 def test_megatron_tp_pp_dp_layouts_match_fsdp_logprobs_and_training(ray_session, tiny_model, engine):
     engine_batch = _engine_batch(engine.url)
-    common = dict(lr=1e-2, micro_batch_size=4, max_grad_norm=0.5)
+    # lr 1e-3: Adam turns summation-order noise in near-zero gradients into steps of about lr, so at
+    # 1e-2 the layouts' logprobs drifted apart by up to 2.4e-4 after three steps on some CPUs (AMD EPYC);
+    # at 1e-3 they agree to ~1e-5 while the policy still moves by ~0.35
+    common = dict(lr=1e-3, micro_batch_size=4, max_grad_norm=0.5)
     runs = {}
     for name, cfg in {"fsdp": TrainerConfig(**common),
                       "megatron_tp1": TrainerConfig(backend="megatron", **common),
@@ -150,5 +153,5 @@ def test_megatron_tp_pp_dp_layouts_match_fsdp_logprobs_and_training(ray_session,
         assert weights.keys() == ref_weights.keys()
         diffs = torch.cat([(weights[k] - ref_weights[k]).abs().flatten() for k in weights])
         # Adam turns summation-order noise in near-zero gradients into a few percent of an lr step
-        # (1e-2) on a handful of weights; the rest agree to ~1e-6
+        # (1e-3) on a handful of weights; the rest agree to ~1e-6
         assert diffs.max() < 5e-3 and diffs.mean() < 1e-5 and (diffs > 1e-4).float().mean() < 1e-3, (name, diffs.max(), diffs.mean())

@@ -1,16 +1,25 @@
-"""Starts a local Ray instance bound to 127.0.0.1 (no dashboard, no token auth) or joins one."""
+"""Starts a local Ray instance bound to 127.0.0.1 (no dashboard) or joins a cluster.
+
+Ray decides between loopback and the machine's address from RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER, read
+once at `import ray`; the package entry sets it, and `init_ray` sets the constant it became as well,
+so a program that imported Ray before LoongSage still gets a loopback-only local instance. Ray's
+token authentication stays on (its default; the token lives in ~/.ray/auth_token): a local process
+of another user that reaches a loopback port still cannot drive the cluster.
+"""
 from __future__ import annotations
 
 import os
 
-# Must be set before `import ray`: keeps a local instance on loopback and off token auth (PROBES.md).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import ray
+from ray._private import ray_constants
 
-import ray  # noqa: E402
+from loongsage.cluster.config import RayConfig
 
-from loongsage.cluster.config import RayConfig  # noqa: E402
+
+def _expose(local: bool) -> None:
+    """Loopback only for a local instance; the node's own address for a cluster."""
+    ray_constants.ENABLE_RAY_CLUSTER = not local
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0" if local else "1"  # Ray's own child processes
 
 
 def init_ray(cfg: RayConfig | None = None) -> bool:
@@ -18,7 +27,8 @@ def init_ray(cfg: RayConfig | None = None) -> bool:
     cfg = cfg or RayConfig()
     if ray.is_initialized():
         return False
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}}
+    _expose(local=not cfg.address)
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if cfg.address:
         ray.init(address=cfg.address, runtime_env=env, log_to_driver=cfg.log_to_driver)
     else:

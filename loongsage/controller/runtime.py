@@ -3,6 +3,9 @@ stopped together (so SFT, bootstrap and RL share one way of bringing a run up an
 from __future__ import annotations
 
 import asyncio
+import secrets
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import ray
@@ -18,6 +21,7 @@ from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.group import TrainerGroup
 from loongsage.transfer.config import TransferConfig
 from loongsage.transfer.mesh import WeightMesh, discover
+from loongsage.transfer.tensor_handles import SHM_PREFIX
 from loongsage.transfer.topology import plan
 
 
@@ -29,6 +33,7 @@ class Runtime:
     sync: WeightMesh
     ray_started: bool
     reference: TrainerGroup | None = None  # frozen initial policy, for a KL penalty
+    temp_weights_dir: str | None = None  # the disk route's folder when the config names none
 
 
     @classmethod
@@ -37,26 +42,31 @@ class Runtime:
                     transfer: TransferConfig | None = None) -> "Runtime":
         started = init_ray(ray_cfg)
         trainers = engines = reference = None
+        transfer = transfer or TransferConfig()
+        # The run's own names: its shared-memory buffers (engines map no others) and, when the config
+        # names no folder, the disk route's (the only place engines load weight files from).
+        shm_prefix = f"{SHM_PREFIX}{secrets.token_hex(4)}-"
+        temp_dir = None if transfer.disk_dir else tempfile.mkdtemp(prefix="loongsage-weights-")
+        disk_dir = transfer.disk_dir or temp_dir
         try:
             # Trainer ranks, engines (and the reference) start in parallel: each spends seconds
             # importing torch and loading weights in its own process.
             parts = await asyncio.gather(
-                asyncio.to_thread(TrainerGroup, trainer, model_dir),
-                asyncio.to_thread(EngineGroup, model_dir, engine, rollout),
-                *([asyncio.to_thread(TrainerGroup, trainer, model_dir)] if with_reference else []),
+                asyncio.to_thread(TrainerGroup, trainer, model_dir, shm_prefix),
+                asyncio.to_thread(EngineGroup, model_dir, engine, rollout, shm_prefix, (disk_dir,)),
+                *([asyncio.to_thread(TrainerGroup, trainer, model_dir, shm_prefix)] if with_reference else []),
                 return_exceptions=True)
             trainers, engines = (p if not isinstance(p, BaseException) else None for p in parts[:2])
             reference = parts[2] if with_reference and not isinstance(parts[2], BaseException) else None
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
-            transfer = transfer or TransferConfig()
             routes = plan(*discover(trainers, engines.actors, transfer))
             sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)},
                               engine.dtype, rollout.weight_bucket_mb,
                               "nccl" if trainer.device.startswith("cuda") else "gloo",
                               transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
-                              transfer.disk_dir, extensions=rollout.engine == "embedded")
+                              disk_dir, extensions=rollout.engine == "embedded", api_key=engines.api_key)
             await sync.setup()
             freeze_long_lived()  # the controller's imports and clients: out of the cyclic GC's full passes (heap.py)
         except BaseException:
@@ -65,8 +75,10 @@ class Runtime:
                     group.shutdown()
             if started:
                 ray.shutdown()
+            if temp_dir:
+                shutil.rmtree(temp_dir, ignore_errors=True)
             raise
-        return cls(trainers, engines, Router(engines.urls), sync, started, reference)
+        return cls(trainers, engines, Router(engines.urls, api_key=engines.api_key), sync, started, reference, temp_dir)
 
     async def close(self) -> None:
         await self.router.aclose()
@@ -77,3 +89,5 @@ class Runtime:
             self.reference.shutdown()
         if self.ray_started:
             ray.shutdown()
+        if self.temp_weights_dir:
+            shutil.rmtree(self.temp_weights_dir, ignore_errors=True)

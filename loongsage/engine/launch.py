@@ -3,17 +3,25 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 import torch
 import uvicorn
 
+from loongsage.cluster.network import is_loopback
 from loongsage.engine.config import EngineConfig
 from loongsage.engine.core import EngineCore
+from loongsage.engine.security import API_KEY_ENV, EngineSecurity
 from loongsage.engine.server import create_app
 from loongsage.heap import freeze_long_lived
 
 
-def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = "warning") -> None:
+def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = "warning",
+          security: EngineSecurity | None = None) -> None:
+    security = security or EngineSecurity()
+    if not is_loopback(host) and not security.api_key:
+        print(f"warning: the engine listens on {host} without an API key: anyone who can reach it can generate, "
+              f"load weights and pause it; set --api-key (or {API_KEY_ENV})", file=sys.stderr, flush=True)
     if cfg.cpu_affinity and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cfg.cpu_affinity)
     if cfg.threads:
@@ -24,7 +32,7 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
         context_length=cfg.context_length, max_prefill_tokens=cfg.max_prefill_tokens,
         weight_version=cfg.weight_version, enable_prefix_cache=cfg.prefix_cache,
     )
-    app = create_app(core)
+    app = create_app(core, security=security, host=host)
     freeze_long_lived()  # model, tokenizer, server: out of the cyclic GC's full passes (heap.py)
     core.start()
     try:

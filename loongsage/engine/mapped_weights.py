@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from loongsage.transfer.tensor_handles import flat_layout, release_shared, serialize_payload, shared_buffer
+from loongsage.transfer.tensor_handles import (SHM_PREFIX, flat_layout, release_shared, serialize_payload,
+                                               shared_buffer)
 
 
 class MappedWeights:
-    def __init__(self, params: dict[str, torch.Tensor]):
+    def __init__(self, params: dict[str, torch.Tensor], shm_prefix: str = SHM_PREFIX):
         dtypes = {p.dtype for p in params.values()}
         if len(dtypes) != 1:
             raise ValueError(f"mapped weights need one parameter dtype, the model has {sorted(map(str, dtypes))}")
@@ -22,7 +23,7 @@ class MappedWeights:
         numel = self.layout[-1]["end"]
         dtype = dtypes.pop()
         device = next(iter(params.values())).device  # on a GPU the handles are CUDA IPC handles (cuda_ipc route)
-        self.buffers = [shared_buffer(numel, dtype, device) for _ in range(2)]
+        self.buffers = [shared_buffer(numel, dtype, device, shm_prefix) for _ in range(2)]
         self.active = 0
         with torch.no_grad():
             for m in self.layout:

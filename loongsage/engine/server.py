@@ -21,7 +21,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.engine.mapped_weights import MappedWeights
+from loongsage.engine.security import BearerAuth, EngineSecurity
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
+from loongsage.cluster.network import LOOPBACK
 from loongsage.transfer.checksum import weights_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
 from loongsage.transfer.buckets import plan_buckets
@@ -43,10 +45,15 @@ def error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
-def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAPI:
+def create_app(core: EngineCore, served_model_name: str | None = None,
+               security: EngineSecurity | None = None, host: str = LOOPBACK) -> FastAPI:
+    security = security or EngineSecurity()
     app = FastAPI(title="LoongSage embedded engine (SGLang protocol)")
-    app.state.shared = SharedBuckets()  # relay fan-out buffers; released by the launcher at shutdown
+    if security.api_key:
+        app.add_middleware(BearerAuth, api_key=security.api_key)
+    app.state.shared = SharedBuckets(prefix=security.shm_prefix)  # relay fan-out buffers; released at shutdown
     app.state.mapped = None  # MappedWeights once a same-host trainer mapped them; released at shutdown
+    app.state.host = host  # the address the server binds (its weight-group sockets bind it too)
     groups: dict[str, Any] = {}
     state = {"healthy": True}
 
@@ -122,7 +129,7 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
         if len(req.serialized_named_tensors) != 1:
             return error(400, f"serialized_named_tensors: expected one entry (tp_size 1), got {len(req.serialized_named_tensors)}")
         try:
-            payload = deserialize_named_tensors(req.serialized_named_tensors[0])
+            payload = deserialize_named_tensors(req.serialized_named_tensors[0], security.shm_prefix)
             named = unflatten_bucket(payload) if req.load_format == "flattened_bucket" else payload
         except ValueError as exc:
             return error(400, str(exc))
@@ -131,7 +138,11 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
     @app.post("/update_weights_from_disk")
     async def update_from_disk(request: Request):
         req = S.parse(S.UpdateFromDisk, await body_of(request))
-        res = await _apply(lambda r: r.load_from_disk(req.model_path), req.weight_version, req.flush_cache,
+        try:
+            path = security.weights_path(req.model_path, core.model_path)
+        except ValueError as exc:
+            return error(403, str(exc))
+        res = await _apply(lambda r: r.load_from_disk(path), req.weight_version, req.flush_cache,
                            req.abort_all_requests)
         if isinstance(res, dict):
             res["num_paused_requests"] = 0
@@ -145,7 +156,7 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
         try:
             groups[req.group_name] = req.backend, await asyncio.to_thread(
                 new_weight_group, req.backend, req.master_address, req.master_port, req.rank_offset,
-                req.world_size, req.group_name)
+                req.world_size, req.group_name, own_address=app.state.host)
         except Exception as exc:
             return error(400, f"cannot join weight update group {req.group_name!r}: {exc}")
         return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
@@ -307,7 +318,7 @@ def create_app(core: EngineCore, served_model_name: str | None = None) -> FastAP
         active one and a standby one); returns a handle for each and which one is active."""
         def build():
             if app.state.mapped is None:
-                app.state.mapped = MappedWeights(core.runner.named_parameters())
+                app.state.mapped = MappedWeights(core.runner.named_parameters(), security.shm_prefix)
             m = app.state.mapped
             return {"handles": m.handles(), "active": m.active, "bytes": m.nbytes}
         try:

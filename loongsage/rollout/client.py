@@ -20,9 +20,10 @@ class EngineError(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 600.0):
+        """`api_key`: the engine's key (`--api-key`), sent as `Authorization: Bearer` on every call."""
         self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.api_key, self.timeout_s = api_key, timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -32,7 +33,8 @@ class EngineClient:
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s), trust_env=False,
                 # Idle connections are dropped after 3 s, before a server's keep-alive timeout (uvicorn's
                 # default, SGLang's too, is 5 s) can close one under a request about to reuse it.
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0), json_serialize=json.dumps)
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0), json_serialize=json.dumps,
+                headers={"Authorization": f"Bearer {self.api_key}"} if self.api_key else None)
         return self._session
 
     async def aclose(self) -> None:

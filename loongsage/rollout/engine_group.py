@@ -1,26 +1,36 @@
 """Inference engines as Ray actors: each launches one server (embedded engine, or SGLang on GPU)
-on a free port of its node, waits for `/health`, and owns the process's lifetime."""
+on a free port of its node's own address, waits for `/health`, and owns the process's lifetime.
+The group's engines share one random API key (every route but /health needs it), read shared-memory
+weights only under the run's prefix, and load weights from disk only below the given folders."""
 from __future__ import annotations
+
+import secrets
 
 import ray
 
 from loongsage.cluster.actors import stop_actors
 from loongsage.engine.config import EngineConfig
 from loongsage.rollout.config import RolloutConfig
+from loongsage.transfer.tensor_handles import SHM_PREFIX
 
 
 class EngineActor:
-    def __init__(self, model_path: str, cfg: dict, threads: int, kind: str):
+    def __init__(self, model_path: str, cfg: dict, threads: int, kind: str, api_key: str, shm_prefix: str,
+                 weight_roots: list[str]):
+        from loongsage.cluster.network import node_address
         from loongsage.rollout.launcher import launch_engine, launch_sglang
-
-        ecfg = EngineConfig.model_validate(cfg)
         from loongsage.transfer.devices import physical_device
 
+        ecfg = EngineConfig.model_validate(cfg)
         self.device = physical_device("cuda:0" if kind == "sglang" else ecfg.device)
+        host = node_address()
         if kind == "sglang":
-            self.proc = launch_sglang(model_path, ecfg.sglang_args_for())
+            self.proc = launch_sglang(model_path, ecfg.sglang_args_for(), host=host, api_key=api_key)
         else:
-            self.proc = launch_engine(model_path, threads=threads, extra_args=ecfg.cli_args())
+            extra = ecfg.cli_args() + ["--shm-prefix", shm_prefix]
+            if weight_roots:
+                extra += ["--weight-roots", *weight_roots]
+            self.proc = launch_engine(model_path, host=host, threads=threads, extra_args=extra, api_key=api_key)
 
     def url(self) -> str:
         return self.proc.url
@@ -37,11 +47,14 @@ class EngineActor:
 
 
 class EngineGroup:
-    def __init__(self, model_path: str, engine_cfg: EngineConfig, rollout: RolloutConfig):
+    def __init__(self, model_path: str, engine_cfg: EngineConfig, rollout: RolloutConfig,
+                 shm_prefix: str = SHM_PREFIX, weight_roots: tuple[str, ...] = ()):
         on_gpu = rollout.engine == "sglang" or engine_cfg.device.startswith("cuda")
         gpus = rollout.engine_gpus if on_gpu else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
-        self.actors = [actor.remote(str(model_path), engine_cfg.model_dump(), rollout.engine_threads, rollout.engine)
+        self.api_key = secrets.token_urlsafe(32)  # clients: Router(urls, api_key=...), EngineClient(url, api_key)
+        self.actors = [actor.remote(str(model_path), engine_cfg.model_dump(), rollout.engine_threads, rollout.engine,
+                                    self.api_key, shm_prefix, [str(r) for r in weight_roots])
                        for _ in range(rollout.num_engines)]
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])
 

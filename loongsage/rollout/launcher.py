@@ -1,4 +1,5 @@
-"""Starts an inference server as a child process on 127.0.0.1 and waits until it is healthy."""
+"""Starts an inference server as a child process (on 127.0.0.1 unless told the node's address) and
+waits until it is healthy."""
 from __future__ import annotations
 
 import os
@@ -35,6 +36,7 @@ class EngineProcess:
     proc: subprocess.Popen
     url: str
     log_path: str
+    api_key: str | None = None
     _closed: bool = field(default=False, repr=False)
 
     def log_tail(self, n: int = 40) -> str:
@@ -65,22 +67,30 @@ class EngineProcess:
 
 def launch_engine(model: str, host: str = "127.0.0.1", port: int | None = None, threads: int = 1,
                   extra_args: list[str] | None = None, startup_timeout_s: float = 120.0,
-                  log_path: str | None = None) -> EngineProcess:
-    """The embedded engine (`loongsage engine`) as a child process."""
+                  log_path: str | None = None, api_key: str | None = None) -> EngineProcess:
+    """The embedded engine (`loongsage engine`) as a child process; its API key travels in the
+    environment (a command line is readable by every user of the machine)."""
+    from loongsage.engine.security import API_KEY_ENV
+
     port = port or free_port(host)
     cmd = [sys.executable, "-m", "loongsage.cli", "engine", "--model", str(model), "--host", host,
            "--port", str(port), "--threads", str(threads), *(extra_args or [])]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
-    return _launch(cmd, host, port, env, startup_timeout_s, log_path)
+    env.pop(API_KEY_ENV, None)
+    if api_key:
+        env[API_KEY_ENV] = api_key
+    return _launch(cmd, host, port, env, startup_timeout_s, log_path, api_key)
 
 
-def sglang_command(model: str, host: str, port: int, args: list[str]) -> list[str]:
+def sglang_command(model: str, host: str, port: int, args: list[str], api_key: str | None = None) -> list[str]:
+    """SGLang takes its key only on the command line (`--api-key`)."""
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--host", host,
-            "--port", str(port), *args]
+            "--port", str(port), *args, *(["--api-key", api_key] if api_key else [])]
 
 
 def launch_sglang(model: str, args: list[str], host: str = "127.0.0.1", port: int | None = None,
-                  startup_timeout_s: float = 900.0, log_path: str | None = None) -> EngineProcess:
+                  startup_timeout_s: float = 900.0, log_path: str | None = None,
+                  api_key: str | None = None) -> EngineProcess:
     """An SGLang server (GPU) as a child process; the same client code talks to it."""
     import importlib.util
 
@@ -88,17 +98,18 @@ def launch_sglang(model: str, args: list[str], host: str = "127.0.0.1", port: in
         raise RuntimeError("rollout.engine=sglang needs SGLang on a GPU node: pip install -e .[gpu]")
     port = port or free_port(host)
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    return _launch(sglang_command(model, host, port, args), host, port, env, startup_timeout_s, log_path)
+    return _launch(sglang_command(model, host, port, args, api_key), host, port, env, startup_timeout_s, log_path,
+                   api_key)
 
 
 def _launch(cmd: list[str], host: str, port: int, env: dict, startup_timeout_s: float,
-            log_path: str | None) -> EngineProcess:
+            log_path: str | None, api_key: str | None = None) -> EngineProcess:
     log_path = log_path or tempfile.mkstemp(prefix="loongsage-engine-", suffix=".log")[1]
     logf = open(log_path, "ab")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     logf.close()
-    ep = EngineProcess(proc, f"http://{host}:{port}", log_path)
+    ep = EngineProcess(proc, f"http://{host}:{port}", log_path, api_key)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

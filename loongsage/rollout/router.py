@@ -10,10 +10,10 @@ from loongsage.rollout.client import EngineClient
 
 
 class Router:
-    def __init__(self, urls: list[str], max_sessions: int = 100_000):
+    def __init__(self, urls: list[str], max_sessions: int = 100_000, api_key: str | None = None):
         if not urls:
             raise ValueError("router needs at least one engine")
-        self.clients = [EngineClient(u) for u in urls]
+        self.clients = [EngineClient(u, api_key) for u in urls]
         self.outstanding = [0] * len(urls)
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.max_sessions = max_sessions

@@ -8,22 +8,26 @@ import torch
 
 from loongsage.algo.losses import LossConfig
 from loongsage.cluster.actors import stop_actors
-from loongsage.rollout.launcher import free_port
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import ADDITIVE, MAXIMAL
 from loongsage.trainer.worker import TrainerRank
+from loongsage.transfer.tensor_handles import SHM_PREFIX
 
 
 class TrainerGroup:
-    def __init__(self, cfg: TrainerConfig, model_path: str):
+    def __init__(self, cfg: TrainerConfig, model_path: str, shm_prefix: str = SHM_PREFIX):
+        """`shm_prefix`: the run's prefix for the shared-memory buffers its ranks hand to engines."""
         self.cfg = cfg
         world = cfg.world_size
         actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0)(TrainerRank)
-        port = free_port()
-        self.ranks = [actor.remote(cfg.model_dump(), str(model_path), r, world, "127.0.0.1", port)
-                      for r in range(world)]
-        ray.get([r.ready.remote() for r in self.ranks])
+        self.ranks = [actor.remote(cfg.model_dump(), str(model_path), r, world, shm_prefix) for r in range(world)]
+        try:
+            master = ray.get(self.ranks[0].open_rendezvous.remote())  # on rank 0's node, by rank 0
+            ray.get([r.setup.remote(*master) for r in self.ranks])
+        except BaseException:
+            self.shutdown()
+            raise
 
     @property
     def rank0(self):

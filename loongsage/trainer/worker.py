@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from loongsage.algo.losses import LossConfig
+from loongsage.cluster.network import Rendezvous, node_address, tcp_store, use_interface_of
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import write_hf_folder
@@ -22,43 +23,58 @@ from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.checksum import checksum_order, checksum_part, finish_checksum
 from loongsage.transfer.collective import broadcast, dtype_from_name, new_weight_group
 from loongsage.transfer.devices import physical_device
-from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors
+from loongsage.transfer.tensor_handles import SHM_PREFIX, SharedBuckets, deserialize_named_tensors
 
 EXPORT_CHUNK_MB = 64  # weights gathered at a time for a mapped write, a checksum or a disk export
 
 
 class TrainerRank:
-    def __init__(self, cfg: dict, model_path: str, rank: int, world: int, master_addr: str, master_port: int):
+    """Made in two calls: the actor first (rank 0 then opens the rendezvous on its own node's
+    address), then `setup` on every rank with that address."""
+
+    def __init__(self, cfg: dict, model_path: str, rank: int, world: int, shm_prefix: str = SHM_PREFIX):
         self.cfg = TrainerConfig.model_validate(cfg)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.rank, self.world, self.model_path, self.shm_prefix = rank, world, model_path, shm_prefix
+        self.address = node_address()
+        self._rendezvous: Rendezvous | None = None
+
+    def open_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: the address of the training group's store (and, later, of the weight group's)."""
+        self._rendezvous = Rendezvous.open(self.address)
+        return self._rendezvous.address
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        use_interface_of(self.address)
         if self.cfg.cpu_affinity and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, self.cfg.cpu_affinity)
         torch.set_num_threads(self.cfg.threads)
         backend = "nccl" if self.cfg.device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(minutes=10))
-        self.rank, self.model_path = rank, model_path
+        timeout = datetime.timedelta(minutes=10)
+        store = tcp_store(master_addr, master_port, self.world, self._rendezvous, timeout)
+        self._rendezvous = None
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         if self.cfg.backend == "fsdp":
             from loongsage.trainer.fsdp import FSDPBackend
 
-            self.backend = FSDPBackend(self.cfg, model_path)
+            self.backend = FSDPBackend(self.cfg, self.model_path)
         elif self.cfg.backend == "megatron":
             from loongsage.trainer.megatron import MegatronBackend
 
-            self.backend = MegatronBackend(self.cfg, model_path)
+            self.backend = MegatronBackend(self.cfg, self.model_path)
         else:  # validated by the config schema
             raise ValueError(f"trainer.backend: unknown {self.cfg.backend!r}")
         self.weight_group = None
         self._sender: threading.Thread | None = None
         self._send_error: BaseException | None = None
-        self._shm = SharedBuckets()  # /dev/shm staging buffers (shm route, SGLang receivers)
+        self._shm = SharedBuckets(prefix=self.shm_prefix)  # /dev/shm staging buffers (shm route, SGLang receivers)
         self._on_device = SharedBuckets(self.backend.device)  # cuda_ipc route, SGLang receivers
         self._mapped: dict[str, list[dict]] = {}  # receiver -> its two mapped weight buffers
         self._meta = self.backend.weight_meta()  # the exported tensors: fixed for the rank's life
         self._all_chunks = self._chunks()  # what a mapped write gathers at a time, every version
         freeze_long_lived()  # torch, the model, the optimizer: out of the cyclic GC's full passes (heap.py)
+        return self.backend.version
 
     def where(self) -> tuple[str, str]:
         """(host id, device) for the TransferMesh planner."""
@@ -68,9 +84,6 @@ class TrainerRank:
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
         return ray.get_runtime_context().get_node_id(), physical_device(device)
-
-    def ready(self) -> int:
-        return self.backend.version
 
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
         return self.backend.compute_logprobs(batch, with_entropy)
@@ -85,9 +98,15 @@ class TrainerRank:
     def weight_meta(self) -> list:
         return list(self._meta)
 
-    def init_weight_group(self, master_address: str, port: int, world_size: int, group_name: str, backend: str) -> bool:
+    def init_weight_group(self, world_size: int, group_name: str, backend: str) -> bool:
+        """Rank 0 joins the weight group as its master, on the rendezvous it opened for it."""
         if self.rank == 0:
-            self.weight_group = new_weight_group(backend, master_address, port, 0, world_size, group_name)
+            rdv = self._rendezvous
+            if rdv is None:
+                raise RuntimeError("init_weight_group before open_rendezvous")
+            self._rendezvous = None
+            self.weight_group = new_weight_group(backend, rdv.host, rdv.port, 0, world_size, group_name,
+                                                 own_address=self.address, rendezvous=rdv)
         return True
 
     def destroy_weight_group(self) -> None:
@@ -165,7 +184,7 @@ class TrainerRank:
             return True
         exported = {m[0] for m in self._meta}
         for name, pair in handles.items():  # shm and cuda_ipc receivers are mapped by their own transports
-            self._mapped[name] = [deserialize_named_tensors(h) for h in pair]
+            self._mapped[name] = [deserialize_named_tensors(h, self.shm_prefix) for h in pair]
             missing = sorted({m["name"] for m in self._mapped[name][0]["metadata"]} - exported)
             if missing:
                 raise KeyError(f"receiver {name} maps {missing}, which the trainer does not export")

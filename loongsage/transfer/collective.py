@@ -11,6 +11,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from loongsage.cluster.network import LOOPBACK, Rendezvous, tcp_store
+
 DTYPE_NAMES = {
     "float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "int64": torch.int64, "int32": torch.int32,
@@ -30,15 +32,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def new_weight_group(
     backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-    group_name: str = "weight_update_group", timeout_s: float = 120.0,
+    group_name: str = "weight_update_group", timeout_s: float = 120.0, own_address: str = LOOPBACK,
+    rendezvous: Rendezvous | None = None,
 ) -> dist.ProcessGroup:
+    """Rank 0 holds `rendezvous` (the store's socket, bound on its node's address); every member's
+    gloo sockets bind `own_address`, the address of the node it runs on."""
+    if (rank == 0) != (rendezvous is not None):
+        raise ValueError("the weight group's rank 0, and only it, holds the rendezvous socket")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout)
-    store = dist.PrefixStore(group_name, store)
+    store = dist.PrefixStore(group_name, tcp_store(master_address, master_port, world_size, rendezvous, timeout))
     if backend == "gloo":
         opts = dist.ProcessGroupGloo._Options()
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=master_address if master_address in
-                                                              ("127.0.0.1", "localhost") else "")]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=own_address)]
         opts._timeout = timeout
         return dist.ProcessGroupGloo(store, rank, world_size, opts)
     if backend == "nccl":

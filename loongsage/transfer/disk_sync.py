@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,16 +17,16 @@ from loongsage.transfer.transport import WeightTransport
 
 
 class DiskWeightSync(WeightTransport):
-    def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str = "float32",
-                 folder: str | None = None):
+    def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str, folder: str,
+                 api_key: str | None = None):
+        """`folder`: one the receivers may load from (their `--weight-roots`; the runtime chooses it)."""
         self.trainers = trainers
-        self.clients = [EngineClient(u) for u in engine_urls]
+        self.clients = [EngineClient(u, api_key) for u in engine_urls]
         self.dtype = engine_dtype
         self.names = [m[0] for m in trainers.weight_meta()]
         self.buckets = [list(range(len(self.names)))]  # one file per version
         self.bucket_names = [self.names]
-        self._own = folder is None
-        self.root = Path(folder or tempfile.mkdtemp(prefix="loongsage-weights-"))
+        self.root = Path(folder)
         self.root.mkdir(parents=True, exist_ok=True)
         self._previous: Path | None = None
 
@@ -45,8 +44,3 @@ class DiskWeightSync(WeightTransport):
             shutil.rmtree(self._previous, ignore_errors=True)
         self._previous = path
         return out
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        if self._own:
-            shutil.rmtree(self.root, ignore_errors=True)

@@ -10,7 +10,6 @@ import asyncio
 import time
 
 from loongsage.rollout.client import EngineClient
-from loongsage.rollout.launcher import free_port
 from loongsage.trainer.group import TrainerGroup
 from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.transport import WeightTransport
@@ -18,9 +17,10 @@ from loongsage.transfer.transport import WeightTransport
 
 class DistributedWeightSync(WeightTransport):
     def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str = "float32",
-                 bucket_mb: float = 64.0, backend: str = "gloo", group_name: str = "loongsage_weights"):
+                 bucket_mb: float = 64.0, backend: str = "gloo", group_name: str = "loongsage_weights",
+                 api_key: str | None = None):
         self.trainers = trainers
-        self.clients = [EngineClient(u) for u in engine_urls]
+        self.clients = [EngineClient(u, api_key) for u in engine_urls]
         self.dtype = engine_dtype
         self.backend, self.group_name = backend, group_name
         self.meta = trainers.weight_meta()
@@ -29,11 +29,12 @@ class DistributedWeightSync(WeightTransport):
         self.bucket_names = [[self.meta[i][0] for i in b] for b in self.buckets]
 
     async def setup(self) -> None:
-        port = free_port()
+        """Trainer rank 0 opens the group's store on its own node's address; the engines join it."""
+        host, port = await self.trainers.rank0.open_rendezvous.remote()
         world = 1 + len(self.clients)
         await asyncio.gather(
-            self.trainers.rank0.init_weight_group.remote("127.0.0.1", port, world, self.group_name, self.backend),
-            *[c.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1 + i,
+            self.trainers.rank0.init_weight_group.remote(world, self.group_name, self.backend),
+            *[c.init_weights_update_group(master_address=host, master_port=port, rank_offset=1 + i,
                                           world_size=world, backend=self.backend, group_name=self.group_name)
               for i, c in enumerate(self.clients)])
 

@@ -29,9 +29,10 @@ def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoin
 
 class WeightMesh:
     def __init__(self, routes: Plan, trainers, urls: dict[str, str], engine_dtype: str, bucket_mb: float,
-                 backend: str, verify_every: int = 0, disk_dir: str | None = None, extensions: bool = True):
+                 backend: str, verify_every: int = 0, disk_dir: str | None = None, extensions: bool = True,
+                 api_key: str | None = None):
         """`extensions`: the receivers are embedded engines, with LoongSage's routes (/map_weights,
-        /share_weights, /weights_checksum); SGLang servers are not."""
+        /share_weights, /weights_checksum); SGLang servers are not. `api_key`: the receivers' key."""
         groups = routes.by_transport()
         if "relay_shm" in groups and not extensions:
             raise ValueError(f"TransferMesh: {groups['relay_shm']} would be fed by a relay engine, but SGLang engines "
@@ -45,23 +46,27 @@ class WeightMesh:
         self.parts: dict[str, WeightTransport] = {}
         if "cuda_ipc" in groups:  # same GPU: the engine's own buffers written device to device (one copy);
             ipc_urls = [urls[n] for n in groups["cuda_ipc"]]  # SGLang: trainer-side device buffers + IPC handles
-            self.parts["cuda_ipc"] = (MappedShmSync(trainers, ipc_urls) if extensions
-                                      else ShmWeightSync(trainers, ipc_urls, engine_dtype, bucket_mb, on_device=True))
+            self.parts["cuda_ipc"] = (MappedShmSync(trainers, ipc_urls, api_key) if extensions
+                                      else ShmWeightSync(trainers, ipc_urls, engine_dtype, bucket_mb, on_device=True,
+                                                         api_key=api_key))
         if "shm" in groups:  # one copy into engine-owned buffers; SGLang or GPU engines: staging buffers + handles
             shm_urls = [urls[n] for n in groups["shm"]]
-            self.parts["shm"] = (MappedShmSync(trainers, shm_urls) if extensions and routes.on_cpu(groups["shm"])
-                                 else ShmWeightSync(trainers, shm_urls, engine_dtype, bucket_mb))
+            self.parts["shm"] = (MappedShmSync(trainers, shm_urls, api_key) if extensions and routes.on_cpu(groups["shm"])
+                                 else ShmWeightSync(trainers, shm_urls, engine_dtype, bucket_mb, api_key=api_key))
         if "collective" in groups:
             self.parts["collective"] = DistributedWeightSync(trainers, [urls[n] for n in groups["collective"]],
-                                                             engine_dtype, bucket_mb, backend)
+                                                             engine_dtype, bucket_mb, backend, api_key=api_key)
         if "relay_shm" in groups:  # fed by the relays, after the collective part
             peers: dict[str, list[str]] = {}
             for r in routes.routes:
                 if r.transport == "relay_shm":
                     peers.setdefault(urls[r.relay], []).append(urls[r.receiver])
-            self.parts["relay_shm"] = RelayShmSync(peers, bucket_mb)
+            self.parts["relay_shm"] = RelayShmSync(peers, bucket_mb, api_key)
         if "disk" in groups:
-            self.parts["disk"] = DiskWeightSync(trainers, [urls[n] for n in groups["disk"]], engine_dtype, disk_dir)
+            if disk_dir is None:
+                raise ValueError("TransferMesh: a disk route needs disk_dir, a folder its receivers may load from")
+            self.parts["disk"] = DiskWeightSync(trainers, [urls[n] for n in groups["disk"]], engine_dtype, disk_dir,
+                                                api_key)
         first = next(p for p in self.parts.values() if hasattr(p, "bucket_names"))
         # the run loop's in-place fast path (no explicit pause) needs one bucket on every route
         self.buckets = max((p.buckets for p in self.parts.values()), key=len)

@@ -13,8 +13,9 @@ from loongsage.transfer.transport import WeightTransport
 
 
 class RelayShmSync(WeightTransport):
-    def __init__(self, peers_of_relay: dict[str, list[str]], bucket_mb: float = 64.0):
-        self.relays = {EngineClient(r): [EngineClient(p) for p in peers] for r, peers in peers_of_relay.items()}
+    def __init__(self, peers_of_relay: dict[str, list[str]], bucket_mb: float = 64.0, api_key: str | None = None):
+        self.relays = {EngineClient(r, api_key): [EngineClient(p, api_key) for p in peers]
+                       for r, peers in peers_of_relay.items()}
         self.clients = [p for peers in self.relays.values() for p in peers]
         self.bucket_mb = bucket_mb
         self.buckets: list[list[int]] = [[]]  # each relay splits by bucket_mb like the sender (same count)

@@ -17,9 +17,10 @@ from loongsage.transfer.transport import WeightTransport
 
 
 class MappedShmSync(WeightTransport):
-    def __init__(self, trainers: TrainerGroup, engine_urls: list[str]):
+    def __init__(self, trainers: TrainerGroup, engine_urls: list[str],
+                 api_key: str | None = None):
         self.trainers = trainers
-        self.clients = [EngineClient(u) for u in engine_urls]
+        self.clients = [EngineClient(u, api_key) for u in engine_urls]
         self.bucket_names = [[m[0] for m in trainers.weight_meta()]]
         self.buckets = [list(range(len(self.bucket_names[0])))]  # one write and one flip per version
         self.standby: dict[str, int] = {}

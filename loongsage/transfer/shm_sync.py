@@ -23,9 +23,10 @@ from loongsage.transfer.transport import WeightTransport
 
 class ShmWeightSync(WeightTransport):
     def __init__(self, trainers: TrainerGroup, engine_urls: list[str], engine_dtype: str = "float32",
-                 bucket_mb: float = 64.0, on_device: bool = False):
+                 bucket_mb: float = 64.0, on_device: bool = False,
+                 api_key: str | None = None):
         self.trainers, self.on_device = trainers, on_device
-        self.clients = [EngineClient(u) for u in engine_urls]
+        self.clients = [EngineClient(u, api_key) for u in engine_urls]
         self.dtype = engine_dtype
         meta = trainers.weight_meta()
         elem = 2 if engine_dtype in ("bfloat16", "float16") else 4

@@ -3,13 +3,18 @@
 A handle is a base64 string of a pickled list of (name, tensor) pairs, where each tensor
 lives in shared memory (CPU: a /dev/shm file; GPU: a CUDA IPC handle), so only the handle
 crosses the HTTP request. Loading goes through a restricted unpickler: an HTTP body can name
-torch's storage-rebuild functions and plain containers, never arbitrary code.
+torch's storage-rebuild functions and plain containers, never arbitrary code, and only /dev/shm
+files under the receiver's prefix (a run names its buffers `loongsage-<run id>-...` itself, so an
+engine maps nothing else: not Ray's object store, not another program's memory).
 """
 from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
+import re
+import secrets
 from collections.abc import Iterable
 
 import torch
@@ -18,9 +23,10 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reductions)
 
+SHM_PREFIX = "loongsage-"  # every shared buffer's /dev/shm name starts with this (a run adds its id)
+_SHM_NAME = re.compile(r"/[A-Za-z0-9_.-]+")
 _ALLOWED = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
     ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
@@ -37,19 +43,20 @@ _ALLOWED = {
 }
 
 
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]] | dict) -> str:
-    """Handles for tensors, moving CPU tensors to shared memory when they are not there yet."""
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]] | dict, prefix: str = SHM_PREFIX) -> str:
+    """Handles for tensors, copying CPU tensors into named shared buffers (under `prefix`) first.
+    The copies' files are unlinked once the last process that mapped them exits."""
     items = list(named.items()) if isinstance(named, dict) else list(named)
-    return _dump([(name, _shared(t)) for name, t in items])
+    return _dump([(name, _shared(t, prefix)) for name, t in items])
 
 
-def serialize_flattened_bucket(named: list[tuple[str, torch.Tensor]] | dict) -> str:
+def serialize_flattened_bucket(named: list[tuple[str, torch.Tensor]] | dict, prefix: str = SHM_PREFIX) -> str:
     """One flat shared tensor plus metadata (`load_format="flattened_bucket"`): one handle, not one per tensor."""
     items = list(named.items()) if isinstance(named, dict) else list(named)
     if len({t.dtype for _, t in items}) > 1:
         raise ValueError("a flattened bucket holds one dtype; split the tensors by dtype first")
     flat = torch.cat([t.reshape(-1) for _, t in items])
-    return _dump({"flattened_tensor": _shared(flat), "metadata": flat_layout(items)})
+    return _dump({"flattened_tensor": _shared(flat, prefix), "metadata": flat_layout(items)})
 
 
 def flat_layout(items: list[tuple[str, torch.Tensor]]) -> list[dict]:
@@ -71,20 +78,29 @@ def unflatten_bucket(payload) -> list[tuple[str, torch.Tensor]]:
         raise ValueError(f"flattened_bucket: bad metadata ({exc})") from None
 
 
-def shared_buffer(numel: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
-    """A buffer other processes can map: on CPU a named /dev/shm file (file_system strategy), on a GPU
-    plain device memory (its handle is a CUDA IPC handle, valid for processes on the same device)."""
+def shared_buffer(numel: int, dtype: torch.dtype, device: str | torch.device = "cpu",
+                  prefix: str = SHM_PREFIX) -> torch.Tensor:
+    """A buffer other processes can map: on CPU a /dev/shm file we name (`/<prefix><random>`, mode
+    0600) and map through torch's shared-memory allocator, so its pickled handle is torch's own
+    (SGLang reads it) and names our file; on a GPU plain device memory (its handle is a CUDA IPC
+    handle, valid for processes on the same device)."""
     if torch.device(device).type != "cpu":
         return torch.empty(numel, dtype=dtype, device=device)
     tmp.set_sharing_strategy("file_system")
-    return torch.empty(numel, dtype=dtype).share_memory_()
+    nbytes = max(1, numel) * torch.empty(0, dtype=dtype).element_size()
+    name = f"/{prefix}{secrets.token_hex(8)}"
+    fd = os.open("/dev/shm" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    storage = torch.UntypedStorage._new_shared_filename_cpu(b"", name.encode(), nbytes)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, (numel,), (1,))
 
 
 def release_shared(t: torch.Tensor) -> None:
     """Removes a shared buffer's /dev/shm file (processes that mapped it keep their mapping); without
     this, files of processes killed at shutdown stay behind. GPU buffers are freed with their tensor."""
-    import os
-
     if t.device.type != "cpu":
         return
     name = t.untyped_storage()._share_filename_cpu_()[1].decode()
@@ -102,8 +118,8 @@ class SharedBuckets:
     The owner must not refill while a receiver may still be loading the previous version.
     On a GPU `device` the buffers are device memory and the handles CUDA IPC handles."""
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
-        self.device = torch.device(device)
+    def __init__(self, device: str | torch.device = "cpu", prefix: str = SHM_PREFIX) -> None:
+        self.device, self.prefix = torch.device(device), prefix
         self._bufs: list[tuple[torch.Tensor, list[dict]]] = []
 
     def fill(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], dtype: torch.dtype | None = None) -> float:
@@ -124,7 +140,8 @@ class SharedBuckets:
         if k > len(self._bufs):
             raise IndexError(f"bucket {k} filled before bucket {len(self._bufs)}")
         if k == len(self._bufs) or self._bufs[k][1] != meta:  # a new layout: a new buffer, once
-            buf = shared_buffer(sum(t.numel() for _, t in bucket), dtype or bucket[0][1].dtype, self.device)
+            buf = shared_buffer(sum(t.numel() for _, t in bucket), dtype or bucket[0][1].dtype, self.device,
+                                self.prefix)
             if k < len(self._bufs):
                 release_shared(self._bufs[k][0])
                 self._bufs[k] = (buf, meta)
@@ -157,10 +174,12 @@ def serialize_payload(payload) -> str:
     return _dump(payload)
 
 
-def _shared(t: torch.Tensor) -> torch.Tensor:
-    if t.device.type == "cpu" and not t.is_shared():
-        t = t.contiguous().share_memory_()
-    return t
+def _shared(t: torch.Tensor, prefix: str) -> torch.Tensor:
+    if t.device.type != "cpu":
+        return t
+    buf = shared_buffer(t.numel(), t.dtype, prefix=prefix)
+    buf.copy_(t.reshape(-1))
+    return buf.view(t.shape)
 
 
 def _dump(obj) -> str:
@@ -171,19 +190,33 @@ def _dump(obj) -> str:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, shm_prefix: str):
+        super().__init__(file)
+        self.shm_prefix = shm_prefix
+
     def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
+            return self._rebuild_named
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a tensor handle")
 
+    def _rebuild_named(self, cls, manager, handle, size, dtype=None):
+        """torch's rebuild of a /dev/shm storage, for names under this receiver's prefix only."""
+        name = handle.decode(errors="replace") if isinstance(handle, bytes) else str(handle)
+        if not (_SHM_NAME.fullmatch(name) and name.startswith("/" + self.shm_prefix)):
+            raise pickle.UnpicklingError(f"shared-memory name {name!r} is outside this receiver's prefix "
+                                         f"{self.shm_prefix!r}")
+        return torch.multiprocessing.reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
 
-def deserialize_named_tensors(payload: str):
+
+def deserialize_named_tensors(payload: str, shm_prefix: str = SHM_PREFIX):
     try:
         raw = base64.b64decode(payload, validate=True)
     except Exception as exc:
         raise ValueError(f"serialized_named_tensors: not valid base64 ({exc})") from None
     try:
-        obj = _RestrictedUnpickler(io.BytesIO(raw)).load()
+        obj = _RestrictedUnpickler(io.BytesIO(raw), shm_prefix).load()
     except Exception as exc:
         raise ValueError(f"serialized_named_tensors: cannot load the handles ({exc})") from None
     return obj
