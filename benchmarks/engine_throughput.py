@@ -24,7 +24,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor, LogitsProcessorList
 
-from loongsage.models.factory import TinyModelSpec, build_tiny_model
+from loongsage.models.config import TinyModelSpec
+from loongsage.models.factory import build_tiny_model
 from loongsage.rollout.client import EngineClient
 from loongsage.rollout.launcher import launch_engine
 

@@ -68,7 +68,7 @@ def run_trl(cfg: RunConfig, base: str, target: float, max_steps: int, eval_every
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as exc:
-        raise SystemExit(f"TRL is not installed ({exc}); run: pip install -c constraints/cpu.txt -e .[bench]")
+        raise SystemExit(f"TRL is not installed ({exc}); run: pip install -c constraints/cpu.txt -e .[bench]") from None
     torch.set_num_threads(2)
     spec = get_task(cfg.task.name)
     train_rows, eval_rows = prepare_data(cfg.task)

@@ -28,8 +28,8 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from loongsage.cluster.network import LOOPBACK, Rendezvous
+from loongsage.transfer.broadcast import broadcast, new_weight_group
 from loongsage.transfer.checksum import weights_checksum
-from loongsage.transfer.collective import broadcast, new_weight_group
 from loongsage.transfer.tensor_handles import deserialize_named_tensors, serialize_payload, shared_buffer
 
 KINDS = ("memcpy", "shm", "shm_two_copy", "collective", "disk")

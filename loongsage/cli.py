@@ -12,10 +12,7 @@ def _engine(ns: argparse.Namespace) -> None:
     from loongsage.engine.launch import serve
     from loongsage.engine.security import API_KEY_ENV, EngineSecurity
 
-    cfg = EngineConfig(dtype=ns.dtype, device=ns.device, max_running=ns.max_running,
-                       context_length=ns.context_length, max_prefill_tokens=ns.max_prefill_tokens,
-                       threads=ns.threads, prefix_cache=not ns.no_prefix_cache, weight_version=ns.weight_version,
-                       cpu_affinity=[int(c) for c in ns.cpu_affinity.split(",")] if ns.cpu_affinity else None)
+    cfg = _validated_args(ns, EngineConfig, "engine")
     security = EngineSecurity(ns.api_key or os.environ.get(API_KEY_ENV) or None, tuple(ns.weight_roots),
                               ns.shm_prefix)
     serve(ns.model, ns.host, ns.port, cfg, log_level=ns.log_level, security=security)
@@ -117,7 +114,8 @@ def _split_config(ns: argparse.Namespace, default: str) -> tuple[str, list[str]]
 
 def _make_model(ns: argparse.Namespace) -> None:
     from loongsage.config import apply_override, parse_override
-    from loongsage.models.factory import TinyModelSpec, build_tiny_model
+    from loongsage.models.config import TinyModelSpec
+    from loongsage.models.factory import build_tiny_model
 
     data: dict = {}
     for item in ns.overrides:
@@ -140,6 +138,18 @@ def _data(ns: argparse.Namespace) -> None:
     print(f"{cfg.name}: {len(train)} train rows, {len(evals)} eval rows under {cfg.data_dir}")
 
 
+def _validated_args(ns: argparse.Namespace, schema, prefix: str):
+    from pydantic import ValidationError
+
+    from loongsage.cliargs import model_from_args
+    from loongsage.config import ConfigError, format_error
+
+    try:
+        return model_from_args(ns, schema)
+    except ValidationError as exc:
+        raise ConfigError(format_error(exc, schema, prefix)) from None
+
+
 def _validated(schema, data: dict, prefix: str):
     from pydantic import ValidationError
 
@@ -152,6 +162,9 @@ def _validated(schema, data: dict, prefix: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from loongsage.cliargs import add_model_args
+    from loongsage.engine.config import EngineConfig
+
     p = argparse.ArgumentParser(prog="loongsage", description="Agent-native, fully asynchronous RL for LLMs.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -161,15 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="HF model folder")
     e.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     e.add_argument("--port", type=int, default=30000)
-    e.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    e.add_argument("--device", default="cpu")
-    e.add_argument("--max-running", type=int, default=64, help="KV slots: sequences decoded together")
-    e.add_argument("--context-length", type=int, default=None)
-    e.add_argument("--max-prefill-tokens", type=int, default=4096)
-    e.add_argument("--threads", type=int, default=None, help="torch threads")
-    e.add_argument("--weight-version", default="0")
-    e.add_argument("--no-prefix-cache", action="store_true")
-    e.add_argument("--cpu-affinity", default=None, help="comma-separated CPU cores to pin the engine to (Linux)")
+    add_model_args(e, EngineConfig)  # every `engine` config key, as a flag
     e.add_argument("--log-level", default="warning")
     e.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
                    "(SGLang's semantics; default: $LOONGSAGE_ENGINE_API_KEY, else none)")

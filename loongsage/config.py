@@ -1,5 +1,6 @@
-"""Run configuration: one schema composed of the components' own configs, loaded from YAML plus
-dotted command-line overrides (`engine.max_running=32`), validated before anything starts.
+"""Run configuration: one schema composed of the components' own configs (each beside its
+component) and the run loop's own sections (`train`, `bootstrap`), loaded from YAML plus dotted
+command-line overrides (`engine.max_running=32`), validated before anything starts.
 
 Every problem is one line naming the key and what was expected (`ConfigError`).
 """
@@ -16,13 +17,46 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from loongsage.agentflow.config import AgentConfig
 from loongsage.algo.config import AlgoConfig
 from loongsage.cluster.config import RayConfig
-from loongsage.controller.config import BootstrapConfig, TrainLoopConfig
 from loongsage.engine.config import EngineConfig
+from loongsage.extensions import load_custom
 from loongsage.models.config import ModelConfig
 from loongsage.rollout.config import RolloutConfig, SamplingConfig
 from loongsage.tasks.config import TaskConfig
 from loongsage.trainer.config import TrainerConfig
 from loongsage.transfer.config import TransferConfig
+
+
+class TrainLoopConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(100, ge=0)
+    max_minutes: float | None = Field(None, gt=0, description="stop after this wall-clock budget")
+    eval_every: int = Field(20, ge=1)
+    eval_size: int | None = Field(None, ge=1, description="held-out rows per evaluation (default: all)")
+    eval_temperature: float = Field(0.0, ge=0.0, description="0: greedy; otherwise one sampled answer/episode "
+                                    "per row at this temperature (success of the policy as it samples)")
+    save_every: int | None = Field(None, ge=1)
+    target_accuracy: float | None = Field(None, gt=0, le=1, description="stop once held-out accuracy reaches this")
+    controller_cpu_affinity: list[int] | None = Field(
+        None, description="pin the controller process to these cores once the actors are up (Linux)")
+
+
+class SFTConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_steps: int = Field(1000, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    warmup_steps: int = Field(50, ge=0)
+    eval_every: int = Field(25, ge=1)
+    dev_size: int = Field(200, ge=1, description="train rows held back to decide when to stop")
+    target_accuracy: float | None = Field(0.3, gt=0, le=1, description="stop once dev accuracy reaches it")
+
+
+class BootstrapConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = False
+    cache_dir: str = ".cache/loongsage/base_policies"
+    sft: SFTConfig = SFTConfig()
 
 
 class ConfigError(ValueError):
@@ -37,6 +71,8 @@ class DemoConfig(BaseModel):
 class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = "run"
+    custom_dirs: list[str] = Field(default_factory=lambda: ["custom"], description="folders whose modules are imported "
+                                   "before the config is read (their @register-ed extensions); missing ones are skipped")
     run_dir: str | None = None  # default: runs/<name>-<time>
     seed: int = 0
     model: ModelConfig = ModelConfig()
@@ -54,7 +90,7 @@ class RunConfig(BaseModel):
     transfer: TransferConfig = TransferConfig()
 
     @model_validator(mode="after")
-    def _fits_context(self) -> "RunConfig":
+    def _fits_context(self) -> RunConfig:
         ctx = self.engine.context_length or self.model.tiny.max_position_embeddings
         if self.model.path is None and self.sampling.max_new_tokens >= ctx:
             raise ValueError(f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) must be below the "
@@ -106,6 +142,12 @@ def load_config(path: str | Path | None, overrides: list[str] = (), schema: type
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
     for item in overrides:
         apply_override(data, *parse_override(item))
+    custom = data.get("custom_dirs", ["custom"])
+    if isinstance(custom, list):
+        try:
+            load_custom(custom)
+        except Exception as exc:
+            raise ConfigError(f"custom_dirs: importing {custom} failed ({type(exc).__name__}: {exc})") from None
     try:
         return schema.model_validate(data)
     except ValidationError as exc:

@@ -16,11 +16,12 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from loongsage.cliargs import flags_of
 from loongsage.config import RunConfig, dump_config
 from loongsage.models.prepare import resolve_model
 from loongsage.rollout.client import EngineClient
 from loongsage.rollout.launcher import launch_engine
-from loongsage.tasks.base import get_task
+from loongsage.tasks.base import task_spec
 from loongsage.tasks.prepare import prepare_data, prompt_ids
 
 
@@ -32,10 +33,10 @@ def run_demo(cfg: RunConfig) -> dict:
     _, eval_rows = prepare_data(cfg.task)
     rows = eval_rows[: cfg.demo.num_prompts]
     tok = AutoTokenizer.from_pretrained(model_dir)
-    spec = get_task(cfg.task.name)
+    spec = task_spec(cfg.task)
     console.print(f"[bold]model[/] {model_dir}  [bold]task[/] {cfg.task.name} ({len(rows)} prompts)  "
                   f"[bold]run dir[/] {run_dir}")
-    with launch_engine(str(model_dir), threads=cfg.engine.threads or 1, extra_args=cfg.engine.cli_args(),
+    with launch_engine(str(model_dir), threads=cfg.engine.threads or 1, extra_args=flags_of(cfg.engine),
                        log_path=str(run_dir / "engine.log"), api_key=secrets.token_urlsafe(32)) as engine:
         summary = asyncio.run(_exercise(EngineClient(engine.url, engine.api_key), tok, rows, spec, cfg, model_dir))
     table = Table(title="embedded engine demo")

@@ -6,9 +6,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from loongsage.metrics import read_metrics  # noqa: E402
+from loongsage.metrics import read_metrics
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -55,7 +55,7 @@ def render_timeline(run_dir: str | Path, out: str | Path | None = None, last_s: 
     start = max(0.0, end - last_s) if last_s else 0.0
     fig, ax = plt.subplots(figsize=(14, 0.6 * len(names) + 1.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for row, (tid, name) in enumerate(sorted(names.items())):
+    for row, (tid, _) in enumerate(sorted(names.items())):
         bars = [(e["ts"] / 1e6, e["dur"] / 1e6) for e in spans if e["tid"] == tid and (e["ts"] + e["dur"]) / 1e6 >= start]
         ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[row % len(colors)])
         busy = sum(min(d, s + d - start) for s, d in bars)

@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/ruff check loongsage tests benchmarks examples scripts  # the lint configuration in pyproject.toml
 exec .venv/bin/python -m pytest -q -ra --durations=12 "$@"

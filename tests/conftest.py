@@ -9,7 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest
 import torch
 
-from loongsage.models.factory import TinyModelSpec, build_tiny_model
+from loongsage.models.config import TinyModelSpec
+from loongsage.models.factory import build_tiny_model
 from loongsage.rollout.launcher import launch_engine
 
 torch.set_num_threads(1)

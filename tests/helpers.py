@@ -66,7 +66,8 @@ def scripted_tool_model(out_dir: str, steps: int = 280) -> str:
 
     from loongsage.agentflow.chat_tokens import ChatTokens
     from loongsage.agentflow.trajectory import demonstration_chain
-    from loongsage.models.factory import TinyModelSpec, build_tiny_model
+    from loongsage.models.config import TinyModelSpec
+    from loongsage.models.factory import build_tiny_model
     from loongsage.tasks.calculator import CALCULATOR_TOOL
 
     path = str(build_tiny_model(out_dir, TinyModelSpec(max_position_embeddings=512, seed=3)))
@@ -123,7 +124,7 @@ class ListeningSockets:
         while not self._stop.wait(self.every_s):
             self._sample()
 
-    def __enter__(self) -> "ListeningSockets":
+    def __enter__(self) -> ListeningSockets:
         self._sample()
         self._thread.start()
         return self

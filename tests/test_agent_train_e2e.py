@@ -9,10 +9,10 @@ import json
 
 import pytest
 
+from helpers import ListeningSockets
 from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import read_metrics
-from helpers import ListeningSockets
 
 SHORT = ["task.train_size=2000", "task.eval_size=100", "train.max_minutes=null", "trainer.threads=1",
          "rollout.engine_threads=1"]
@@ -37,6 +37,7 @@ def _exact_tokens(steps: list[dict]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the shared bootstrap (SFT on demonstrations) runs inside the first of these tests
 def test_whitebox_calculator_agent_learns(ray_session, tmp_path, shared):
     cfg = load_config("recipes/calc_agent_whitebox.yaml", SHORT + shared[0] + [
         f"run_dir={tmp_path / 'run'}", "train.steps=40", "train.eval_every=40"])
@@ -54,6 +55,7 @@ def test_whitebox_calculator_agent_learns(ray_session, tmp_path, shared):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_path, shared):
     cfg = load_config("recipes/calc_agent_blackbox.yaml", SHORT + shared[0] + [
         f"run_dir={tmp_path / 'run'}", "train.steps=8", "train.eval_every=8", "train.eval_size=32"])

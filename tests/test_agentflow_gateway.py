@@ -17,7 +17,8 @@ from helpers import MALFORMED_CALL, with_client
 from loongsage.agentflow.agents import tool_loop
 from loongsage.agentflow.blackbox import BlackBoxRunner
 from loongsage.agentflow.chat_tokens import ChatTokens
-from loongsage.agentflow.context import AgentContext, AgentLimits, run_episode
+from loongsage.agentflow.config import AgentLimits
+from loongsage.agentflow.context import AgentContext, run_episode
 from loongsage.agentflow.gateway import Gateway, GatewayServer
 from loongsage.agentflow.llm import PolicyLLM
 from loongsage.agentflow.sessions import CallRecorder, SessionStore
@@ -72,7 +73,7 @@ def test_openai_client_tool_call_round_trip(tool_engine, tool_model, tmp_path):
         session = gw.sessions.lookup("alice")
         assert [r["extends"] for r in session.records] == [False, True] and session.drift_rate == 0.0
         for rec in session.records:
-            direct = await with_client(tool_engine.url, lambda c: c.generate(rec["prompt_ids"], GREEDY))
+            direct = await with_client(tool_engine.url, lambda c, ids=rec["prompt_ids"]: c.generate(ids, GREEDY))
             assert rec["output_ids"] == direct.output_ids
             assert rec["output_logprobs"] == pytest.approx(direct.output_logprobs, abs=1e-5)
         (chain,) = session.chains
@@ -102,7 +103,8 @@ def test_openai_client_streaming(tool_engine, tool_model):
         assert finish == "tool_calls" and usage.completion_tokens > 10
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [("calculator", {"expression": "6*7"})]
         msgs += [{"role": "assistant", "content": None, "tool_calls": [
-            {"id": calls[0].id, "type": "function", "function": {"name": "calculator", "arguments": calls[0].function.arguments}}]},
+            {"id": calls[0].id, "type": "function",
+             "function": {"name": "calculator", "arguments": calls[0].function.arguments}}]},
             {"role": "tool", "tool_call_id": calls[0].id, "content": "42"}]
         pieces = []
         async for chunk in await client.chat.completions.create(model="policy", messages=msgs, tools=[CALCULATOR_TOOL],
@@ -196,7 +198,8 @@ AGENTS = {
     "garbage": ("import os, json, sys, urllib.request; sys.stdin.read(); req = urllib.request.Request("
                 "os.environ['OPENAI_BASE_URL'] + '/chat/completions', json.dumps({'messages': [{'role': 'user', "
                 "'content': 'x'}]}).encode(), {'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'], "
-                "'Content-Type': 'application/json'}); urllib.request.urlopen(req).read(); sys.stdout.buffer.write(b'\\xff\\xfe\\x00 garbage')"),
+                "'Content-Type': 'application/json'}); urllib.request.urlopen(req).read(); "
+                "sys.stdout.buffer.write(b'\\xff\\xfe\\x00 garbage')"),
 }
 
 
@@ -261,7 +264,7 @@ def test_loongsage_serve(tool_model, tmp_path):
                 break
             except Exception:
                 if proc.poll() is not None:
-                    raise AssertionError(proc.stdout.read())
+                    raise AssertionError(proc.stdout.read()) from None
                 import time
                 time.sleep(0.1)
         r = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "6*7=?"}],
@@ -271,5 +274,5 @@ def test_loongsage_serve(tool_model, tmp_path):
         proc.terminate()
         proc.wait(timeout=30)
     (line,) = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
-    assert line["session"] == "carol" and line["weight_version"] == "0"
+    assert line["session"] == "carol" and line["weight_version"] == 0
     assert len(line["output_ids"]) == len(line["output_logprobs"]) == r.usage.completion_tokens

@@ -114,7 +114,7 @@ def test_session_store_keys():
 
 def test_tools_and_registry():
     reg = ToolRegistry().add(calculator_tool())
-    run = lambda call: asyncio.run(reg.execute(call))  # noqa: E731
+    run = lambda call: asyncio.run(reg.execute(call))
     assert run(ToolCall("calculator", {"expression": "12*(3+4)"})) == "84"
     assert run(ToolCall("calculator", {"expression": "__import__('os')"})).startswith("error: unsupported syntax")
     assert run(ToolCall("calculator", {"expr": "1"})).startswith("error: bad arguments for calculator")

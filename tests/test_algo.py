@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from loongsage.algo import advantages as A
-from loongsage.algo.losses import LossConfig, PolicyInputs, aggregate, kl_penalty, policy_loss, sft_loss
+from loongsage.algo.config import LossConfig
+from loongsage.algo.losses import PolicyInputs, aggregate, kl_penalty, policy_loss, sft_loss
 
 
 def t(x):
@@ -24,7 +25,7 @@ def test_grpo_dr_grpo_rloo_by_hand():
     # RLOO: r_i - mean(others): 1 - 1/3 = 0.6667, 0 - 2/3 = -0.6667
     assert torch.allclose(A.rloo(r)[0], t([2 / 3, -2 / 3, -2 / 3, 2 / 3]), atol=1e-6)
     assert A.keep_informative_groups(r).tolist() == [True, False]
-    with pytest.raises(ValueError, match="advantage estimator"):
+    with pytest.raises(ValueError, match="'ppo' is neither a registered advantage"):
         A.compute("ppo", r)
 
 

@@ -35,7 +35,14 @@ def test_yaml_plus_overrides_are_typed_and_nested(tmp_path):
     (["sampling.max_new_tokens=600"], "must be below the context length"),
     (["task.train_path=a.jsonl"], "train_path and eval_path must be given together"),
     (["agent.kind=blackbox"], "agent: agent.kind=blackbox needs agent.command"),
-    (["agent.kind=robot"], "agent.kind: Input should be 'single_turn', 'whitebox' or 'blackbox'"),
+    (["agent.kind=robot"], "agent.kind: unknown rollout 'robot'; expected one of single_turn, whitebox, blackbox "
+                           "or 'module:attr'"),
+    (["algo.advantage=nope_pkg:missing"], "algo.advantage: 'nope_pkg:missing': cannot import 'nope_pkg' "
+                                          "(ModuleNotFoundError"),
+    (["algo.advantage=math:nope"], "algo.advantage: 'math:nope': module 'math' has no attribute 'nope'"),
+    (["algo.loss.policy_loss=math:sqrt"], "algo.loss.policy_loss: 'math:sqrt' cannot be called with 3 positional"),
+    (["rollout.window=fifo"], "rollout.window: unknown window 'fifo'; expected one of staleness, windowed_fifo"),
+    (["custom_dirs=[/nonexistent-dir]", "task.reward=nowhere:reward"], "task.reward: 'nowhere:reward': cannot import"),
     (["agent.kind=blackbox", "agent.command=[node, agent.js]", "agent.preload=[openai]"],
      "agent.preload needs agent.command = ['{python}', 'script.py', ...]"),
     (["agent.limits.max_turns=0"], "agent.limits.max_turns: Input should be greater than or equal to 1"),

@@ -90,7 +90,7 @@ def test_metrics_jsonl_and_tensorboard(tmp_path):
 def test_a_batch_without_learning_signal_is_not_trained():
     """All-zero advantages (every group's rewards equal) give a zero gradient, but Adam's momentum
     would still move the weights: such a batch must be skipped unless a KL or entropy term acts."""
-    from loongsage.algo.losses import LossConfig
+    from loongsage.algo.config import LossConfig
     from loongsage.controller.train import has_learning_signal
 
     flat = [Sample([1], [2, 3], [1, 1], [-0.1, -0.2], [0, 0], advantage=0.0) for _ in range(4)]

@@ -10,7 +10,7 @@ from collections import Counter
 import httpx
 import torch
 
-from helpers import call, reference_logprobs, with_client, run
+from helpers import call, reference_logprobs, run, with_client
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -150,7 +150,7 @@ def test_batch_n_rid_text_and_top_logprobs(engine):
     for r in res:
         m = r["meta_info"]
         assert len(m["output_top_logprobs"]) == 3 and all(len(t) == 3 for t in m["output_top_logprobs"])
-        for (lp, tok, _), top in zip(m["output_token_logprobs"], m["output_top_logprobs"]):
+        for (lp, _tok, _), top in zip(m["output_token_logprobs"], m["output_top_logprobs"]):
             assert lp <= top[0][0] + 1e-6  # the best of the top list bounds the chosen token
         assert m["weight_version"] == "0" and m["output_token_weight_versions"] == [0, 0, 0]
     text = call(engine.url, lambda c: c.generate_raw({"text": "12+34=", "sampling_params": {"max_new_tokens": 2}}))

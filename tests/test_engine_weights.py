@@ -12,11 +12,13 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import call, run, with_client
-from loongsage.models.factory import TinyModelSpec, build_tiny_model
-from loongsage.rollout.client import EngineError
 from loongsage.cluster.network import Rendezvous
+from loongsage.models.config import TinyModelSpec
+from loongsage.models.factory import build_tiny_model
+from loongsage.rollout.client import EngineError
 from loongsage.rollout.launcher import launch_engine
-from loongsage.transfer.collective import broadcast, dtype_name, new_weight_group
+from loongsage.transfer.broadcast import broadcast, new_weight_group
+from loongsage.transfer.dtypes import dtype_name
 from loongsage.transfer.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
 
 PROBE = [[20, 21, 22], [33, 34, 35, 36, 37, 38], [90, 91]]
@@ -53,7 +55,7 @@ def test_update_from_disk_equals_fresh_engine(reset_engine, engine_b, tiny_model
     assert res["success"] and res["num_paused_requests"] == 0
     got = _fingerprint(reset_engine.url)
     _assert_same(got, want)
-    assert got[2] == "3"
+    assert got[2] == 3
 
 
 @pytest.mark.parametrize("flattened", [False, True])
@@ -68,7 +70,7 @@ def test_update_from_tensor_handles_equals_fresh_engine(reset_engine, engine_b, 
     assert res["success"]
     got = _fingerprint(reset_engine.url)
     _assert_same(got, _fingerprint(engine_b.url))
-    assert got[2] == "5"
+    assert got[2] == 5
 
 
 @pytest.mark.parametrize("flattened", [False, True])
@@ -105,7 +107,7 @@ def test_update_from_distributed_gloo_equals_fresh_engine(reset_engine, engine_b
     assert run(with_client(reset_engine.url, go))["success"]
     got = _fingerprint(reset_engine.url)
     _assert_same(got, _fingerprint(engine_b.url))
-    assert got[2] == "7"
+    assert got[2] == 7
 
 
 def test_bad_weight_updates_are_400_and_weights_unchanged(reset_engine, tmp_path):

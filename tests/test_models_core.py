@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from loongsage.engine.core import EngineCore
 from loongsage.engine.sampling import SamplingParams, sample
 from loongsage.engine.sequence import SeqRequest
-from loongsage.models.factory import TinyModelSpec, build_tiny_model
+from loongsage.models.config import TinyModelSpec
+from loongsage.models.factory import build_tiny_model
 from loongsage.models.tokenizer import build_char_tokenizer
 
 
@@ -49,7 +50,7 @@ def test_factory_is_deterministic_and_the_core_matches_transformers(tmp_path, ar
     ev = threading.Event()
 
     def cb(snap):
-        if snap.finish_reason is not None:
+        if snap.finish is not None:
             done[snap.rid] = snap
             if len(done) == 6:
                 ev.set()
@@ -89,7 +90,7 @@ def test_bfloat16_engine_runs_and_stays_close(tmp_path):
     box = {}
     ev = threading.Event()
     core.submit([SeqRequest("x", "x", [10, 11, 12], SamplingParams(max_new_tokens=5, ignore_eos=True),
-                            return_logprob=True, on_update=lambda s: (box.update(s=s), ev.set()) if s.finish_reason else None)])
+                            return_logprob=True, on_update=lambda s: (box.update(s=s), ev.set()) if s.finish else None)])
     assert ev.wait(30)
     core.shutdown()
     snap = box["s"]

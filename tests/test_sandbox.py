@@ -3,7 +3,6 @@ of the run is visible or writable, and nothing the code starts outlives the call
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -14,8 +13,8 @@ import psutil
 import pytest
 
 from loongsage.agentflow.sandbox import SandboxLimits, run_python
-from loongsage.agentflow.tools import ToolRegistry, python_tool
 from loongsage.agentflow.toolcalls import ToolCall
+from loongsage.agentflow.tools import ToolRegistry, python_tool
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux namespaces")
 

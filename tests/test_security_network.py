@@ -9,17 +9,17 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from multiprocessing.reduction import ForkingPickler
 
 import httpx
 import pytest
 import torch
-from multiprocessing.reduction import ForkingPickler
 
+from helpers import run
 from loongsage.cluster.network import is_loopback
 from loongsage.rollout.client import EngineClient, EngineError
 from loongsage.rollout.launcher import launch_engine
 from loongsage.transfer.tensor_handles import serialize_flattened_bucket
-from helpers import run
 
 KEY = "k-" + os.urandom(8).hex()
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_sglang_command_mirrors_the_engine_config():
-    cfg = EngineConfig(dtype="bfloat16", max_running=96, context_length=2048, prefix_cache=False, weight_version="7",
+    cfg = EngineConfig(dtype="bfloat16", max_running=96, context_length=2048, prefix_cache=False, weight_version=7,
                        sglang_args=["--tp-size", "2"])
     cmd = sglang_command("/models/qwen3", "127.0.0.1", 30000, cfg.sglang_args_for())
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]

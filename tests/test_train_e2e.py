@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from helpers import ListeningSockets
 from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import REQUIRED, read_metrics
 from loongsage.plot import plot_run
-from helpers import ListeningSockets
 
 EASY = [
     "model.tiny.hidden_size=128", "model.tiny.max_position_embeddings=32",

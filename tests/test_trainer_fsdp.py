@@ -10,9 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import ListeningSockets, call, policy_batch
-from loongsage.algo.losses import LossConfig
+from loongsage.algo.config import LossConfig
 from loongsage.algo.mismatch import train_inference_gap
 from loongsage.engine.config import EngineConfig
+from loongsage.rollout.client import EngineClient
 from loongsage.rollout.config import RolloutConfig
 from loongsage.rollout.engine_group import EngineGroup
 from loongsage.rollout.launcher import launch_engine
@@ -25,8 +26,6 @@ from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.mesh import WeightMesh
 from loongsage.transfer.tensor_handles import serialize_named_tensors
 from loongsage.transfer.topology import Endpoint, plan
-
-
 
 
 def _policy_step(group: TrainerGroup, batch, loss_cfg):
@@ -145,10 +144,9 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
             routes = plan(sender, [receiver])
             # shm / cuda_ipc: one copy into the engine's mapped standby buffer; `_handles`: SGLang's way
             # (the trainer's staging buffers, the engine loads them by handle)
-            sync = WeightMesh(routes, trainers, {"engine-0": engines.urls[0]}, "float32", bucket_mb=0.5,
-                              backend="nccl" if transport.endswith("nccl") else "gloo", verify_every=1,
-                              disk_dir=str(tmp_path / "weights"), extensions=not transport.endswith("_handles"),
-                              api_key=engines.api_key)
+            sync = WeightMesh(routes, trainers, {"engine-0": EngineClient(engines.urls[0], engines.api_key)}, "float32",
+                              bucket_mb=0.5, backend="nccl" if transport.endswith("nccl") else "gloo", verify_every=1,
+                              disk_dir=str(tmp_path / "weights"), extensions=not transport.endswith("_handles"))
             assert list(sync.parts) == [transport.removesuffix("_handles").removesuffix("_nccl")]
             assert len(sync.buckets) > 1 or transport in ("disk", "shm", "cuda_ipc")  # every version checksummed
             await sync.setup()
@@ -170,11 +168,11 @@ def test_trainer_matches_engine_and_sync_is_verified(ray_session, tiny_model, tm
             info = await router.clients[0].model_info()
             # one weight changed behind the mesh's back, same version string: verification must catch it
             name = sync.names[0]
-            expected = ray.get(trainers.rank0.weights_checksum.remote(sync.names, "float32"))
+            expected = ray.get(trainers.rank0.transfer.remote("verify", "checksum", sync.names, "float32"))
             bad = trainers.full_state_dict_on_rank0()[name].cpu() + 1e-3
             await router.clients[0].update_weights_from_tensor(serialize_named_tensors({name: bad}), weight_version=2)
             with pytest.raises(RuntimeError, match="weight sync to version 2: checksum mismatch"):
-                await sync._verify(2, expected)
+                await sync.verifier.check_against(2, expected)
             if transport == "disk":  # only the newest version's folder is kept
                 assert [p.name for p in (tmp_path / "weights").iterdir()] == ["v2"]
             await router.aclose()
@@ -204,8 +202,9 @@ def test_two_host_mesh_relays_over_the_collective_and_fans_out(ray_session, tiny
             ("engine-0", "shm", None), ("engine-1", "collective", None), ("engine-2", "relay_shm", "engine-1")]
 
         async def go():
-            sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)}, "float32",
-                              bucket_mb=0.5, backend="gloo", verify_every=1, api_key=engines.api_key)
+            sync = WeightMesh(routes, trainers, {f"engine-{i}": EngineClient(u, engines.api_key)
+                                                 for i, u in enumerate(engines.urls)}, "float32",
+                              bucket_mb=0.5, backend="gloo", verify_every=1)
             assert sorted(sync.parts) == ["collective", "relay_shm", "shm"]
             with ListeningSockets() as sockets:  # the weight group's store and gloo sockets among them
                 await sync.setup()

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import policy_batch
-from loongsage.algo.losses import LossConfig
-from loongsage.models.factory import TinyModelSpec, build_tiny_model
+from loongsage.algo.config import LossConfig
+from loongsage.models.config import TinyModelSpec
+from loongsage.models.factory import build_tiny_model
 from loongsage.rollout.client import EngineClient
 from loongsage.sample import Sample
 from loongsage.trainer.batch import collate
@@ -113,7 +114,7 @@ def _bucketed_export_is_the_full_export(group, full: dict) -> None:
         assert sorted(part) == sorted(b)
         got.update(part)
     assert all(torch.equal(got[n], full[n]) for n in names)
-    remote = ray.get([r.weights_checksum.remote(names, "bfloat16") for r in group.ranks])[0]
+    remote = ray.get([r.transfer.remote("verify", "checksum", names, "bfloat16") for r in group.ranks])[0]
     assert remote == weights_checksum(full, names, torch.bfloat16)
 
 
@@ -154,4 +155,5 @@ def test_megatron_tp_pp_dp_layouts_match_fsdp_logprobs_and_training(ray_session,
         diffs = torch.cat([(weights[k] - ref_weights[k]).abs().flatten() for k in weights])
         # Adam turns summation-order noise in near-zero gradients into a few percent of an lr step
         # (1e-3) on a handful of weights; the rest agree to ~1e-6
-        assert diffs.max() < 5e-3 and diffs.mean() < 1e-5 and (diffs > 1e-4).float().mean() < 1e-3, (name, diffs.max(), diffs.mean())
+        assert diffs.max() < 5e-3 and diffs.mean() < 1e-5 and (diffs > 1e-4).float().mean() < 1e-3, \
+            (name, diffs.max(), diffs.mean())

@@ -69,11 +69,12 @@ class _Trainers:
 
 
 def test_mesh_picks_the_transport_per_route_and_device():
+    from loongsage.rollout.client import EngineClient
+    from loongsage.transfer.mapped import MappedShmSync
     from loongsage.transfer.mesh import WeightMesh
-    from loongsage.transfer.shm_mapped_sync import MappedShmSync
-    from loongsage.transfer.shm_sync import ShmWeightSync
+    from loongsage.transfer.staged import ShmWeightSync
 
-    urls = {f"engine-{i}": f"http://127.0.0.1:{i + 1}" for i in range(3)}
+    urls = {f"engine-{i}": EngineClient(f"http://127.0.0.1:{i + 1}") for i in range(3)}
     routes = plan(Endpoint("trainer", "a", "cuda:0"), [Endpoint("engine-0", "a", "cuda:0"),  # same GPU
                                                        Endpoint("engine-1", "a", "cuda:1"),  # same host, GPU
                                                        Endpoint("engine-2", "a", "cpu")])
@@ -81,7 +82,7 @@ def test_mesh_picks_the_transport_per_route_and_device():
     # embedded engines: the engine's own buffers are written (device to device over CUDA IPC, or
     # into /dev/shm for a CPU engine); a GPU engine on the shm route loads staging buffers by handle
     assert isinstance(mesh.parts["cuda_ipc"], MappedShmSync)
-    assert [c.base_url for c in mesh.parts["cuda_ipc"].clients] == [urls["engine-0"]]
+    assert mesh.parts["cuda_ipc"].clients == [urls["engine-0"]]
     assert isinstance(mesh.parts["shm"], ShmWeightSync) and not mesh.parts["shm"].on_device
     cpu_only = plan(Endpoint("trainer", "a", "cuda:0"), [Endpoint("engine-2", "a", "cpu")])
     assert isinstance(WeightMesh(cpu_only, _Trainers, urls, "float32", 64.0, "nccl").parts["shm"], MappedShmSync)

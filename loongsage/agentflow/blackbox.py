@@ -40,7 +40,7 @@ class ForkServer:
         self._reader: asyncio.Task | None = None
         self._next = 0
 
-    async def start(self) -> "ForkServer":
+    async def start(self) -> ForkServer:
         self._proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "loongsage.agentflow.forkserver", *self.modules, stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=self.env, limit=1 << 20)
@@ -111,7 +111,7 @@ class BlackBoxRunner:
         self._slots = asyncio.Semaphore(concurrency)
         self.forkserver = ForkServer(preload, self.env) if preload else None
 
-    async def start(self) -> "BlackBoxRunner":
+    async def start(self) -> BlackBoxRunner:
         if self.forkserver is not None:
             await self.forkserver.start()
         return self

@@ -6,12 +6,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from loongsage.agentflow.context import AgentLimits
+from loongsage.extensions import plugin
+
+RolloutKind = plugin("rollout", ["single_turn", "whitebox", "blackbox"])
+ToolFactory = plugin("tool")
+
+
+class AgentLimits(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    max_turns: int = Field(4, ge=1, description="model calls per episode")
+    max_tokens: int = Field(512, ge=8, description="prompt + all turns, in tokens, per episode")
+    timeout_s: float = Field(60.0, gt=0, description="wall clock per episode")
 
 
 class AgentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: Literal["single_turn", "whitebox", "blackbox"] = "single_turn"
+    kind: RolloutKind = Field("single_turn", description="single_turn | whitebox | blackbox, or module:attr of a "
+                              "rollout factory (RolloutSetup) -> Rollout")
+    tools: dict[str, ToolFactory] = Field(default_factory=dict, description="tool name -> module:attr of a factory "
+                                          "() -> Tool, for tools that task rows declare (besides the built-in ones)")
     entry: str = Field("loongsage.agentflow.agents:tool_loop", description="whitebox: 'module:function', "
                        "an async def run(ctx, task)")
     command: list[str] = Field(default_factory=list, description="blackbox: the agent program's command line "
@@ -25,7 +38,7 @@ class AgentConfig(BaseModel):
     gateway_host: str = "127.0.0.1"
 
     @model_validator(mode="after")
-    def _command(self) -> "AgentConfig":
+    def _command(self) -> AgentConfig:
         if self.kind == "blackbox" and not self.command:
             raise ValueError("agent.kind=blackbox needs agent.command (the agent program's command line)")
         if self.preload and (len(self.command) < 2 or self.command[0] != "{python}" or not self.command[1].endswith(".py")):

@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any, Awaitable, Callable
-
-from pydantic import BaseModel, ConfigDict, Field
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from loongsage.agentflow.chat_tokens import ChatTokens
+from loongsage.agentflow.config import AgentLimits
 from loongsage.agentflow.llm import ModelTurn, PolicyLLM
-from loongsage.agentflow.tools import ToolRegistry
 from loongsage.agentflow.toolcalls import ToolCall
+from loongsage.agentflow.tools import ToolRegistry
 from loongsage.agentflow.trajectory import Chain, Trajectory
 from loongsage.tasks.base import TaskRow, TaskSpec
-
-
-class AgentLimits(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_turns: int = Field(4, ge=1, description="model calls per episode")
-    max_tokens: int = Field(512, ge=8, description="prompt + all turns, in tokens, per episode")
-    timeout_s: float = Field(60.0, gt=0, description="wall clock per episode")
 
 
 class AgentLimitReached(RuntimeError):

@@ -12,7 +12,8 @@ import asyncio
 import json
 import socket
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -212,7 +213,7 @@ class GatewayServer:
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}/v1"
 
-    async def start(self) -> "GatewayServer":
+    async def start(self) -> GatewayServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))

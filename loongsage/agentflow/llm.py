@@ -2,8 +2,8 @@
 sampled ids come back with their logprobs and per-token policy versions, never retokenized."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from loongsage.agentflow.chat_tokens import ChatTokens
 from loongsage.agentflow.toolcalls import ParsedTurn, parse_tool_calls
@@ -18,7 +18,7 @@ class ModelTurn:
     text: str  # the turn's text with markup, without the stop token
     parsed: ParsedTurn
     finish: str  # stop | length | abort
-    weight_version: str
+    weight_version: int
     stopped_with: int | None = None  # the end-of-turn token that ended it (None: cut short or a stop string)
 
     def message(self) -> dict:

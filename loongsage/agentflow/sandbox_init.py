@@ -214,7 +214,7 @@ def _init(spec: dict) -> int:
     if program == 0:
         try:
             _limit_and_exec(spec)
-        except BaseException as exc:  # noqa: BLE001 - reported, never raised past the fork
+        except BaseException as exc:
             os.write(2, f"sandbox: cannot start the program: {exc}\n".encode())
         os._exit(SETUP_FAILED)
     status = None

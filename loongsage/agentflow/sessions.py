@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loongsage.agentflow.chat_tokens import ChatTokens, ChatTemplateError, normalize_message
+from loongsage.agentflow.chat_tokens import ChatTemplateError, ChatTokens, normalize_message
 from loongsage.agentflow.trajectory import Chain
 
 

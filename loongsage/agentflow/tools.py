@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from loongsage.agentflow.sandbox import run_python
 from loongsage.agentflow.toolcalls import ToolCall
@@ -29,7 +30,7 @@ class ToolRegistry:
     calls: int = 0
     errors: int = 0
 
-    def add(self, tool: Tool) -> "ToolRegistry":
+    def add(self, tool: Tool) -> ToolRegistry:
         self.tools[tool.name] = tool
         return self
 
@@ -82,12 +83,19 @@ def python_tool(timeout_s: float = 5.0, memory_mb: int = 256) -> Tool:
 BUILTIN_TOOLS: dict[str, Callable[[], Tool]] = {"calculator": calculator_tool, "python": python_tool}
 
 
-def registry_for(specs: list[dict[str, Any]] | None) -> ToolRegistry:
-    """A registry with the built-in implementation of every tool a task row declares."""
+def registry_for(specs: list[dict[str, Any]] | None, custom: dict[str, str] | None = None) -> ToolRegistry:
+    """A registry with an implementation of every tool a task row declares: `custom` (agent.tools:
+    name -> module:attr or registered tool factory) first, then the built-in ones."""
+    from loongsage.extensions import resolve
+
     reg = ToolRegistry()
     for spec in specs or []:
         name = spec.get("function", {}).get("name")
-        if name not in BUILTIN_TOOLS:
-            raise ValueError(f"task declares tool {name!r} with no implementation; built-in: {sorted(BUILTIN_TOOLS)}")
-        reg.add(BUILTIN_TOOLS[name]())
+        if custom and name in custom:
+            reg.add(resolve(custom[name], "tool")())
+        elif name in BUILTIN_TOOLS:
+            reg.add(BUILTIN_TOOLS[name]())
+        else:
+            raise ValueError(f"task declares tool {name!r} with no implementation; built-in: {sorted(BUILTIN_TOOLS)}"
+                             f"{'; agent.tools: ' + ', '.join(sorted(custom)) if custom else ''}")
     return reg

@@ -57,7 +57,7 @@ class Trajectory:
     answer: str = ""
     info: dict[str, Any] = field(default_factory=dict)  # turns, tool_calls, malformed_tool_calls, ...
 
-    def fail(self, reason: str) -> "Trajectory":
+    def fail(self, reason: str) -> Trajectory:
         self.status, self.reason, self.reward = "failed", reason, 0.0
         return self
 

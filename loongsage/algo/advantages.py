@@ -28,9 +28,15 @@ ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
 
 
 def compute(name: str, rewards: torch.Tensor) -> torch.Tensor:
-    if name not in ESTIMATORS:
-        raise ValueError(f"advantage estimator: expected one of {sorted(ESTIMATORS)}, got {name!r}")
-    return ESTIMATORS[name](rewards)
+    """A built-in estimator by name, or a user's (`module:attr` or registered; see extensions.py)."""
+    from loongsage.extensions import resolve
+
+    fn = ESTIMATORS.get(name) or resolve(name, "advantage")
+    out = torch.as_tensor(fn(rewards), dtype=rewards.dtype)
+    if out.shape != rewards.shape:
+        raise ValueError(f"advantage estimator {name!r} returned shape {tuple(out.shape)} for rewards of shape "
+                         f"{tuple(rewards.shape)}")
+    return out
 
 
 def keep_informative_groups(rewards: torch.Tensor) -> torch.Tensor:

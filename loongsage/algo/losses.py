@@ -10,30 +10,10 @@ per token or per sequence. `is_mode: metrics` measures the weights without apply
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
-class LossConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    clip_low: float = Field(0.2, ge=0.0)
-    clip_high: float = Field(0.2, ge=0.0, description="> clip_low is DAPO's clip-higher")
-    aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
-    is_mode: Literal["none", "metrics", "tis", "mis"] = "tis"
-    is_level: Literal["token", "sequence"] = "token"
-    is_cap: float = Field(2.0, gt=0.0, description="TIS truncation C; MIS upper bound")
-    is_low: float = Field(0.5, ge=0.0, description="MIS lower bound")
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    entropy_coef: float = Field(0.0, ge=0.0)
-
-    @model_validator(mode="after")
-    def _bounds(self) -> "LossConfig":
-        if self.is_mode == "mis" and self.is_low >= self.is_cap:
-            raise ValueError(f"is_low ({self.is_low}) must be below is_cap ({self.is_cap}) for masked IS")
-        return self
+from loongsage.algo.config import LossConfig
 
 
 @dataclass
@@ -70,7 +50,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         return 0.5 * log_ratio**2
     if estimator == "k3":
         return torch.exp(log_ratio) - log_ratio - 1.0
-    raise ValueError(f"kl_estimator: unknown {estimator!r}")
+    from loongsage.extensions import resolve
+
+    return resolve(estimator, "kl_estimator")(logprobs, ref_logprobs)
 
 
 def importance_weights(proximal: torch.Tensor, behavior: torch.Tensor, mask: torch.Tensor,
@@ -127,7 +109,8 @@ def policy_loss(x: PolicyInputs, cfg: LossConfig, denominator: float | None = No
     return loss, metrics
 
 
-def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denominator: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denominator: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
     """Negative log-likelihood of the masked tokens, token-mean."""
     mask = mask.float()
     loss = aggregate(-logprobs, mask, "token_mean", denominator)

@@ -65,7 +65,7 @@ class Rendezvous:
     _sock: socket.socket
 
     @classmethod
-    def open(cls, host: str) -> "Rendezvous":
+    def open(cls, host: str) -> Rendezvous:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.create_server((host, 0), family=family, backlog=128)
         return cls(host, sock.getsockname()[1], sock)

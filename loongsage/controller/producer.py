@@ -1,9 +1,10 @@
 """The rollout producer: keeps groups generating inside the staleness window.
 
-It admits a prompt whenever the window has capacity, runs its group (n samples + rewards) as its
-own task, and puts finished groups into `buffer`. At a weight update the controller asks it to
-cancel in-flight groups that can no longer be trained in time (their requests are aborted on the
-engines; partial work is counted, not trained).
+It admits a prompt whenever the buffer has room, runs its group (n samples + rewards) as its own
+task, and puts the outcome into the buffer (finished, failed or cancelled): it only puts, the
+controller only takes. At a weight update the controller asks it to cancel in-flight groups that
+can no longer be trained in time: their requests are aborted on the engines that hold them, their
+tasks cancelled; partial work is counted, not trained.
 """
 from __future__ import annotations
 
@@ -11,11 +12,8 @@ import asyncio
 import logging
 import time
 
-from loongsage.agentflow.runner import EpisodeRunner
-from loongsage.buffer import StalenessWindow
-from loongsage.controller.runtime import Runtime
+from loongsage.buffer import SampleBuffer
 from loongsage.controller.sampler import PromptSampler
-from loongsage.sample import Group
 from loongsage.timeline import Timeline
 
 log = logging.getLogger("loongsage.producer")
@@ -47,68 +45,56 @@ class BusyClock:
 
 
 class RolloutProducer:
-    def __init__(self, rt: Runtime, runner: EpisodeRunner, sampler: PromptSampler, window: StalenessWindow,
-                 n: int, mask_failures: bool = True, timeline: Timeline | None = None):
-        self.rt, self.runner, self.sampler, self.window = rt, runner, sampler, window
+    def __init__(self, rollout, sampler: PromptSampler, buffer: SampleBuffer, n: int, mask_failures: bool = True,
+                 timeline: Timeline | None = None):
+        """`rollout`: an `api.Rollout` (group / cancel); `mask_failures`: a group with a failed
+        sample is not trained (single-turn aborts, or agent.on_failure=mask)."""
+        self.rollout, self.sampler, self.buffer = rollout, sampler, buffer
         self.n, self.mask_failures = n, mask_failures
-        self.buffer: asyncio.Queue[Group] = asyncio.Queue()
-        self.inflight: dict[int, int] = {}  # group id -> version when it started
-        self.cancelling: set[int] = set()
         self.busy = BusyClock(timeline)
-        self._wake = asyncio.Event()
+        self.cancelling: set[int] = set()
         self._tasks: dict[int, asyncio.Task] = {}
 
-    def poke(self) -> None:
-        self._wake.set()
-
     async def run(self) -> None:
-        gid = 0
         while True:
-            while self.window.capacity() == 0:
-                self._wake.clear()
-                await self._wake.wait()
+            await self.buffer.wait_for_room()
             row = self.sampler.take(1)[0]
-            self.window.admit()
-            gid += 1
-            self.inflight[gid] = self.window.version
-            task = asyncio.create_task(self._one(gid, row))
-            self._tasks[gid] = task
-            task.add_done_callback(lambda _, g=gid: self._tasks.pop(g, None))
+            seq = self.buffer.admit()
+            task = asyncio.create_task(self._one(seq, row))
+            self._tasks[seq] = task
+            task.add_done_callback(lambda _, s=seq: self._tasks.pop(s, None))
 
-    async def _one(self, gid: int, row) -> None:
+    async def _one(self, seq: int, row) -> None:
         self.busy.start()
         try:
-            group = await self.runner.group(row, self.n, gid)
-        except asyncio.CancelledError:  # an agent group cancelled at a weight update
-            self.cancelling.discard(gid)
-            self.window.cancel()
+            group = await self.rollout.group(row, self.n, seq)
+        except asyncio.CancelledError:  # cancelled at a weight update (or the run is stopping)
+            self.cancelling.discard(seq)
+            self.buffer.cancel(seq)
             raise
         except Exception as exc:  # a broken request must not stop the run
-            log.warning("group %d failed: %s", gid, exc)
-            self.window.fail()
+            log.warning("group %d failed: %s", seq, exc)
+            self.buffer.fail(seq)
             return
         finally:
             self.busy.stop()
-            self.inflight.pop(gid, None)
-            self.poke()
-        if gid in self.cancelling:
-            self.cancelling.discard(gid)
-            self.window.cancel()
+        if seq in self.cancelling:
+            self.cancelling.discard(seq)
+            self.buffer.cancel(seq)
         elif group.failed and self.mask_failures:
-            self.window.fail()
+            self.buffer.fail(seq)
         else:
-            self.window.finish()
-            self.buffer.put_nowait(group)
+            self.buffer.put(seq, group)
 
     async def cancel_too_old(self) -> int:
-        """Aborts in-flight groups that would be out of the window at the next step."""
-        old = [g for g, start in self.inflight.items() if self.window.in_flight_too_old(start) and g not in self.cancelling]
-        for g in old:
-            self.cancelling.add(g)
-            if self.runner.cfg.kind == "single_turn":  # one request per group: abort it on the engines
-                await asyncio.gather(*[c.abort(f"group-{g}") for c in self.rt.router.clients])
-            elif g in self._tasks:  # agent episodes: cancel them (black-box processes are killed)
-                self._tasks[g].cancel()
+        """Stops in-flight groups that would be out of the window at the next step."""
+        old = [s for s in self.buffer.too_old() if s not in self.cancelling]
+        for seq in old:
+            self.cancelling.add(seq)
+            await self.rollout.cancel(seq)  # on the engines that hold its requests
+            task = self._tasks.get(seq)
+            if task is not None:  # an agent may go on calling the model: its episodes are stopped too
+                task.cancel()
         return len(old)
 
     async def stop(self) -> None:

@@ -25,6 +25,15 @@ from loongsage.transfer.tensor_handles import SHM_PREFIX
 from loongsage.transfer.topology import plan
 
 
+def client_factory(client_class: str | None, api_key: str | None):
+    """url -> a client of the run's engines: the SGLang-protocol HTTP client, or `rollout.client`."""
+    from loongsage.extensions import resolve
+    from loongsage.rollout.client import EngineClient
+
+    cls = EngineClient if client_class is None else resolve(client_class, "client")
+    return lambda url: cls(url, api_key)
+
+
 @dataclass
 class Runtime:
     trainers: TrainerGroup
@@ -39,7 +48,7 @@ class Runtime:
     @classmethod
     async def start(cls, model_dir: str, trainer: TrainerConfig, engine: EngineConfig, rollout: RolloutConfig,
                     ray_cfg: RayConfig, with_reference: bool = False,
-                    transfer: TransferConfig | None = None) -> "Runtime":
+                    transfer: TransferConfig | None = None) -> Runtime:
         started = init_ray(ray_cfg)
         trainers = engines = reference = None
         transfer = transfer or TransferConfig()
@@ -61,12 +70,14 @@ class Runtime:
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
+            client = client_factory(rollout.client, engines.api_key)
             routes = plan(*discover(trainers, engines.actors, transfer))
-            sync = WeightMesh(routes, trainers, {f"engine-{i}": u for i, u in enumerate(engines.urls)},
+            sync = WeightMesh(routes, trainers, {f"engine-{i}": client(u) for i, u in enumerate(engines.urls)},
                               engine.dtype, rollout.weight_bucket_mb,
                               "nccl" if trainer.device.startswith("cuda") else "gloo",
                               transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
-                              disk_dir, extensions=rollout.engine == "embedded", api_key=engines.api_key)
+                              disk_dir, extensions=rollout.engine == "embedded", pause_mode=rollout.pause_mode,
+                              implementations=transfer.implementations)
             await sync.setup()
             freeze_long_lived()  # the controller's imports and clients: out of the cyclic GC's full passes (heap.py)
         except BaseException:
@@ -78,7 +89,8 @@ class Runtime:
             if temp_dir:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             raise
-        return cls(trainers, engines, Router(engines.urls, api_key=engines.api_key), sync, started, reference, temp_dir)
+        router = Router([], clients=[client(u) for u in engines.urls])
+        return cls(trainers, engines, router, sync, started, reference, temp_dir)
 
     async def close(self) -> None:
         await self.router.aclose()

@@ -14,20 +14,18 @@ from pathlib import Path
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from loongsage.config import dump_config
-from loongsage.models.prepare import resolve_model
-from loongsage.tasks.base import get_task
-from loongsage.tasks.prepare import prepare_data
-from loongsage.trainer.config import TrainerConfig
-
 from loongsage.agentflow.chat_tokens import ChatTokens
-from loongsage.agentflow.runner import EpisodeRunner
+from loongsage.agentflow.rollouts import make_rollout
 from loongsage.agentflow.trajectory import demonstration_chain
+from loongsage.config import dump_config
 from loongsage.controller.runtime import Runtime
+from loongsage.models.prepare import resolve_model
+from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Sample
-from loongsage.tasks.base import TaskRow, TaskSpec
-from loongsage.tasks.prepare import prompt_ids
+from loongsage.tasks.base import TaskRow, TaskSpec, task_spec
+from loongsage.tasks.prepare import prepare_data, prompt_ids
 from loongsage.trainer.batch import collate
+from loongsage.trainer.config import TrainerConfig
 
 
 def sft_sample(tokenizer, row: TaskRow, spec: TaskSpec | None = None, chat: ChatTokens | None = None) -> Sample:
@@ -44,12 +42,12 @@ def sft_sample(tokenizer, row: TaskRow, spec: TaskSpec | None = None, chat: Chat
 
 
 async def run_sft(rt: Runtime, tokenizer, rows: list[TaskRow], dev: list[TaskRow], spec: TaskSpec, cfg,
-                  runner: EpisodeRunner, seed: int = 0, console: Console | None = None) -> dict:
-    """`cfg` is an SFTConfig; dev accuracy is the runner's (the run's agent, greedy). Returns the last
+                  rollout, chat: ChatTokens, seed: int = 0, console: Console | None = None) -> dict:
+    """`cfg` is an SFTConfig; dev accuracy is the rollout's (the run's agent, greedy). Returns the last
     dev accuracy, steps and seconds."""
     console = console or Console()
     rng = random.Random(seed)
-    samples = [sft_sample(tokenizer, r, spec, runner.chat) for r in rows]
+    samples = [sft_sample(tokenizer, r, spec, chat) for r in rows]
     t0 = time.perf_counter()
     acc, step = 0.0, 0
     for step in range(1, cfg.max_steps + 1):
@@ -57,7 +55,7 @@ async def run_sft(rt: Runtime, tokenizer, rows: list[TaskRow], dev: list[TaskRow
         m = await rt.trainers.train_step(batch, "sft", None)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             await rt.sync.push(step)
-            acc = (await runner.evaluate(dev))["eval/accuracy"]
+            acc = (await rollout.evaluate(dev))["eval/accuracy"]
             console.print(f"[sft] step {step}: loss {m['loss/sft']:.3f}, dev accuracy {acc:.3f} "
                           f"({time.perf_counter() - t0:.0f}s)")
             if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
@@ -75,20 +73,21 @@ async def sft_to(cfg, init: Path, out: Path, console: Console) -> dict:
     trainer = TrainerConfig(**{**cfg.trainer.model_dump(), "lr": sft.lr, "betas": sft.betas,
                                "warmup_steps": sft.warmup_steps, "lr_schedule": "constant", "bf16": False})
     rt = await Runtime.start(str(init), trainer, cfg.engine, cfg.rollout, cfg.ray, transfer=cfg.transfer)
-    runner = None
+    rollout = None
     try:
         tok = AutoTokenizer.from_pretrained(init)
-        spec = get_task(cfg.task.name)
+        spec = task_spec(cfg.task)
         # Dev accuracy of an agent policy is measured with the white-box tool loop, for black-box recipes
         # too (the same protocol; no process per dev row), so both kinds share one cached base policy.
         agent = cfg.agent if cfg.agent.kind != "blackbox" else cfg.agent.model_copy(update={"kind": "whitebox"})
-        runner = await EpisodeRunner(agent, rt.router, tok, str(init), spec, cfg.sampling.sampling_params(),
-                                     cfg.sampling.max_new_tokens).start()
-        result = await run_sft(rt, tok, rows, dev, spec, sft, runner, cfg.seed, console)
+        rollout = make_rollout(RolloutSetup(rt.router, tok, str(init), spec, cfg.sampling.sampling_params(),
+                                            cfg.sampling.max_new_tokens, agent))
+        await rollout.start()
+        result = await run_sft(rt, tok, rows, dev, spec, sft, rollout, ChatTokens(tok, str(init)), cfg.seed, console)
         await rt.trainers.save(str(out))
     finally:
-        if runner is not None:
-            await runner.stop()
+        if rollout is not None:
+            await rollout.stop()
         await rt.close()
     (out / "sft.json").write_text(json.dumps(result))
     return result

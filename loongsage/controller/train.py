@@ -1,24 +1,26 @@
 """`loongsage train`: the RL run loop, top to bottom.
 
     producer task (controller/producer.py) ──────────────── consumer: this loop
-      admits a prompt while the window has room               takes B informative, in-window groups
-      ─► router ─► engines (Ray actors, HTTP): n samples      ─► advantages ─► TrainBatch
-         + behaviour logprobs + per-token versions            ─► trainer ranks (Ray, FSDP2):
-      ─► verifier rewards ─► buffer (asyncio.Queue)              train_step (proximal = its own forward) ─► v+1
-                                                              ─► weight update task (overlaps the next
-                                                                 train step: ranks snapshot v+1, send it
-                                                                 from a thread); engines held in place
-                                                                 (or retracted), version confirmed, then
-                                                                 the window advances; too-old in-flight
-                                                                 groups cancelled
+      waits for room in the buffer, admits a prompt           takes B in-window groups worth training
+      ─► rollout.group (single-turn, white-box or black-box:    from the buffer (buffer.take)
+         router ─► engines, Ray actors over HTTP):            ─► advantages ─► TrainBatch
+         n samples + behaviour logprobs + per-token versions  ─► trainer ranks (Ray, FSDP2 / Megatron):
+         + rewards                                               train_step (proximal = its own forward) ─► v+1
+      ─► buffer.put (or fail / cancel)                        ─► weight update task (overlaps the next
+                                                                 train step): TransferMesh delivers v+1
+                                                                 (receivers held by the pause mode,
+                                                                 version confirmed, checksums when due);
+                                                                 then buffer.advance(), and too-old
+                                                                 in-flight groups are cancelled
 
 Batch t + 1 is taken from the buffer and collated while step t trains, so the trainer goes from one
 step to the next without waiting on the controller.
 
-Back-pressure is the staleness window (loongsage/buffer.py): at most (k + 1 + v) * B groups are ever
-admitted by version v, so generation runs at most k versions ahead of training. With k = 0 nothing is
-admitted until the weights of the previous step are on the engines: the synchronous schedule, by the
-same code path. Groups found stale anyway are evicted and counted (`samples/dropped_stale`).
+Back-pressure is the sample buffer's window (loongsage/buffer.py, strategies in window.py): at most
+(k + 1 + v) * B groups are ever admitted by version v, so generation runs at most k versions ahead of
+training. With k = 0 nothing is admitted until the weights of the previous step are on the engines:
+the synchronous schedule, by the same code path. Groups found stale anyway are evicted and counted
+(`samples/dropped_stale`). The producer only puts into the buffer; this loop only takes from it.
 """
 from __future__ import annotations
 
@@ -32,18 +34,19 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from transformers import AutoTokenizer
 
-from loongsage.agentflow.runner import EpisodeRunner
+from loongsage.agentflow.rollouts import make_rollout
 from loongsage.algo import advantages as adv
-from loongsage.algo.losses import LossConfig
-from loongsage.buffer import StalenessWindow
+from loongsage.algo.config import LossConfig
+from loongsage.buffer import SampleBuffer
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy
 from loongsage.controller.producer import RolloutProducer
 from loongsage.controller.runtime import Runtime
 from loongsage.controller.sampler import PromptSampler
 from loongsage.metrics import MetricsWriter
+from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
-from loongsage.tasks.base import get_task
+from loongsage.tasks.base import task_spec
 from loongsage.tasks.prepare import prepare_data
 from loongsage.timeline import Timeline
 from loongsage.trainer.batch import collate
@@ -57,27 +60,26 @@ async def train(cfg: RunConfig) -> dict:
     t_start = time.perf_counter()  # wall clock from here includes start-up (Ray, engines), not the bootstrap
     train_rows, eval_rows = prepare_data(cfg.task)
     eval_rows = eval_rows[: cfg.train.eval_size or len(eval_rows)]
-    spec, tok = get_task(cfg.task.name), AutoTokenizer.from_pretrained(base)
+    spec, tok = task_spec(cfg.task), AutoTokenizer.from_pretrained(base)
     rt = await Runtime.start(str(base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
                              with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer)
     metrics = MetricsWriter(run_dir)
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     if cfg.train.controller_cpu_affinity and cores is not None:  # after start-up: Ray's processes keep all cores
         os.sched_setaffinity(0, cfg.train.controller_cpu_affinity)
-    ro = cfg.rollout
-    window = StalenessWindow(ro.max_staleness, ro.prompts_per_step,
-                             ro.max_inflight_groups or (ro.max_staleness + 1) * ro.prompts_per_step)
+    buffer = sample_buffer(cfg.rollout)
     timeline = Timeline()
-    runner = EpisodeRunner(cfg.agent, rt.router, tok, str(base), spec, cfg.sampling.sampling_params(),
-                           cfg.sampling.max_new_tokens)
-    producer = RolloutProducer(rt, runner, PromptSampler(train_rows, cfg.seed), window, cfg.sampling.n,
+    rollout = make_rollout(RolloutSetup(rt.router, tok, str(base), spec, cfg.sampling.sampling_params(),
+                                        cfg.sampling.max_new_tokens, cfg.agent))
+    producer = RolloutProducer(rollout, PromptSampler(train_rows, cfg.seed), buffer, cfg.sampling.n,
                                cfg.agent.kind == "single_turn" or cfg.agent.on_failure == "mask", timeline)
+    keep = group_filter(cfg)
     summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
     producing = pending = upcoming = None
     try:
-        await runner.start()
+        await rollout.start()
         t_eval = time.perf_counter()
-        first = await runner.evaluate(eval_rows, cfg.train.eval_temperature)
+        first = await rollout.evaluate(eval_rows, cfg.train.eval_temperature)
         metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
                        "time/elapsed_s": time.perf_counter() - t_start})
         summary["eval_before"] = first["eval/accuracy"]
@@ -87,15 +89,15 @@ async def train(cfg: RunConfig) -> dict:
         # `pending`: (record, weight-update task) of the step whose weights are in flight
         with _progress(console) as bar:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0)
-            upcoming = asyncio.create_task(_next_batch(1, cfg, tok, producer, window, timeline))
+            upcoming = asyncio.create_task(_next_batch(1, cfg, tok, buffer, keep, timeline))
             for step in range(1, cfg.train.steps + 1):
                 training = asyncio.create_task(_train(step, cfg, rt, await upcoming, timeline))  # overlaps `pending`
                 if step < cfg.train.steps:  # batch step + 1 is taken and collated while this step trains
-                    upcoming = asyncio.create_task(_next_batch(step + 1, cfg, tok, producer, window, timeline))
+                    upcoming = asyncio.create_task(_next_batch(step + 1, cfg, tok, buffer, keep, timeline))
                 record = await training
                 if pending is not None:
                     _finish(await _delivered(pending), clock, metrics, bar, task)
-                pending = (record, _start_weight_update(step, cfg, rt, producer, window, timeline))
+                pending = (record, _start_weight_update(step, cfg, rt, producer, buffer, timeline))
                 evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.steps
                 out_of_time = cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
                 if evaluate_now or out_of_time or (cfg.train.save_every and step % cfg.train.save_every == 0):
@@ -103,7 +105,7 @@ async def train(cfg: RunConfig) -> dict:
                     if evaluate_now:
                         t_eval = time.perf_counter()
                         with timeline.span("eval", f"eval {step}"):
-                            record.update(await runner.evaluate(eval_rows, cfg.train.eval_temperature))
+                            record.update(await rollout.evaluate(eval_rows, cfg.train.eval_temperature))
                         record["time/eval_s"] = time.perf_counter() - t_eval
                     _finish(record, clock, metrics, bar, task)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
@@ -119,7 +121,7 @@ async def train(cfg: RunConfig) -> dict:
         await producer.stop()  # the engines are free for the final evaluation
         producing = None
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
-            record = {"step": step, "version": step, **await runner.evaluate(eval_rows, cfg.train.eval_temperature)}
+            record = {"step": step, "version": step, **await rollout.evaluate(eval_rows, cfg.train.eval_temperature)}
             metrics.write(record)
         await rt.trainers.save(str(run_dir / "checkpoints" / "final"))
         summary.update(eval_after=record["eval/accuracy"], steps=step, train_seconds=time.perf_counter() - t_start)
@@ -135,18 +137,42 @@ async def train(cfg: RunConfig) -> dict:
             await producer.stop()
         timeline.save(run_dir / "timeline.json")
         metrics.close()
-        await runner.stop()
+        await rollout.stop()
         await rt.close()
         if cfg.train.controller_cpu_affinity and cores is not None:
             os.sched_setaffinity(0, cores)
     return summary
 
 
-async def _next_batch(step: int, cfg: RunConfig, tok, producer: RolloutProducer, window: StalenessWindow,
-                      timeline: Timeline) -> tuple[dict, object, list[Sample]]:
+def sample_buffer(ro) -> SampleBuffer:
+    """The run's buffer with its window strategy (`rollout.window`: a built-in name or module:attr)."""
+    from loongsage.extensions import resolve
+    from loongsage.window import STRATEGIES
+
+    strategy = STRATEGIES.get(ro.window) or resolve(ro.window, "window")
+    return SampleBuffer(ro.max_staleness, ro.prompts_per_step,
+                        ro.max_inflight_groups or (ro.max_staleness + 1) * ro.prompts_per_step, strategy())
+
+
+def group_filter(cfg: RunConfig):
+    """Whether a finished group is worth training: dynamic sampling (not all rewards equal) and every
+    `rollout.filters` entry (module:attr or a registered filter) must keep it."""
+    from loongsage.extensions import resolve
+
+    filters = [resolve(f, "filter") for f in cfg.rollout.filters]
+
+    def keep(group: Group) -> bool:
+        if cfg.rollout.dynamic_sampling and not adv.keep_informative_groups(torch.tensor([group.rewards]))[0]:
+            return False
+        return all(f(group) for f in filters)
+    return keep
+
+
+async def _next_batch(step: int, cfg: RunConfig, tok, buffer: SampleBuffer, keep, timeline: Timeline
+                      ) -> tuple[dict, object, list[Sample]]:
     """Batch `step`, taken from the buffer and collated (while the previous step trains)."""
     with timeline.span("controller: wait for batch", f"batch {step}"):
-        groups, sampled, dropped = await _take_batch(step, cfg, producer, window)
+        groups, sampled, dropped = await _take_batch(step, cfg, buffer, keep)
     samples = [s for g in groups for s in g.samples]
     if samples and not has_learning_signal(samples, cfg.algo.loss):
         samples = []
@@ -185,39 +211,25 @@ async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, o
     return record
 
 
-def _finish(record: dict, clock: "_Clock", metrics: MetricsWriter, bar: Progress, task) -> None:
+def _finish(record: dict, clock: _Clock, metrics: MetricsWriter, bar: Progress, task) -> None:
     record.update(clock.lap(record["time/train_s"]))
     metrics.write(record)
     bar.update(task, advance=1, reward=record["reward/mean"], rate=record["samples/trained"] / record["time/step_s"])
 
 
-async def _take_batch(step, cfg: RunConfig, producer: RolloutProducer, window: StalenessWindow):
-    """B groups in the window with a learning signal; stale ones are evicted, uninformative ones
-    (all rewards equal, with dynamic sampling) discarded and replaced, up to a per-step cap."""
+async def _take_batch(step, cfg: RunConfig, buffer: SampleBuffer, keep):
+    """B groups in the window worth training (`keep`); stale ones are evicted, the rest discarded and
+    replaced, up to a per-step cap; then their advantages."""
     want = cfg.rollout.prompts_per_step
-    cap = cfg.rollout.max_sampling_rounds * want
-    groups, sampled, dropped = [], [], 0
-    while len(groups) < want and len(sampled) < cap:
-        group = await producer.buffer.get()
-        if window.is_stale(group.min_version, step):
-            window.evict()
-            dropped += len(group.samples)
-        elif cfg.rollout.dynamic_sampling and not adv.keep_informative_groups(torch.tensor([group.rewards]))[0]:
-            window.discard()
-            sampled.append(group)
-        else:
-            groups.append(group)
-            sampled.append(group)
-        producer.poke()
-    window.consume(len(groups))
-    if groups:
-        advantages = adv.compute(cfg.algo.advantage, torch.tensor([g.rewards for g in groups]))
-        for g, a in zip(groups, advantages):
+    taken = await buffer.take(step, want, cfg.rollout.max_sampling_rounds * want, keep)
+    if taken.groups:
+        advantages = adv.compute(cfg.algo.advantage, torch.tensor([g.rewards for g in taken.groups]))
+        for g, a in zip(taken.groups, advantages):
             g.assign_advantages(a.tolist())
-    return groups, sampled, dropped
+    return taken.groups, taken.sampled, taken.dropped_samples
 
 
-def _start_weight_update(step, cfg: RunConfig, rt: Runtime, producer: RolloutProducer, window: StalenessWindow,
+def _start_weight_update(step, cfg: RunConfig, rt: Runtime, producer: RolloutProducer, buffer: SampleBuffer,
                          timeline: Timeline) -> asyncio.Task:
     """Version `step` to the engines: the trainer side is submitted now (ordered before the next
     train step, which then overlaps the transfer); the returned task feeds the engines (held by
@@ -226,23 +238,10 @@ def _start_weight_update(step, cfg: RunConfig, rt: Runtime, producer: RolloutPro
     begun = rt.sync.begin(step)
 
     async def deliver() -> dict:
-        mode = cfg.rollout.pause_mode
-        clients = rt.router.clients
-        if mode == "in_place" and len(rt.sync.buckets) == 1:
-            # One bucket is applied by the engine thread between two steps with every running request
-            # held where it is: an in-place pause by construction, without two extra round trips.
-            mode = "none"
         with timeline.span("weight sync", f"sync v{step}"):
-            if mode != "none":
-                await asyncio.gather(*[c.pause(mode) for c in clients])
-            try:
-                out = await rt.sync.deliver(step, begun)
-            finally:
-                if mode != "none":
-                    await asyncio.gather(*[c.resume() for c in clients])
-        window.advance()
+            out = await rt.sync.deliver(step, begun)  # receivers held (pause mode) and confirmed by the mesh
+        buffer.advance()
         cancelled = await producer.cancel_too_old()
-        producer.poke()
         out["samples/cancelled"] = cancelled * cfg.sampling.n
         return out
 

@@ -1,4 +1,5 @@
-"""Settings of one embedded engine (the `engine` section of a run config, and `loongsage engine` flags)."""
+"""Settings of one embedded engine: the `engine` section of a run config, and the `loongsage engine`
+flags, which are generated from this model (`cliargs.py`): one declaration of each setting."""
 from __future__ import annotations
 
 from typing import Literal
@@ -15,27 +16,16 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int = Field(4096, ge=1, description="prefill budget per scheduler step")
     threads: int | None = Field(None, ge=1, description="torch threads in the engine process")
     prefix_cache: bool = True
-    weight_version: str = "0"
+    weight_version: int = Field(0, ge=0, description="the version the engine reports for its initial weights")
     cpu_affinity: list[int] | None = Field(None, description="pin the engine process to these CPU cores (Linux)")
-    sglang_args: list[str] = Field(default_factory=list, description="extra `sglang.launch_server` flags "
-                                   "(rollout.engine=sglang), e.g. ['--tp-size', '2', '--mem-fraction-static', '0.7']")
-
-    def cli_args(self) -> list[str]:
-        """The `loongsage engine` flags that reproduce this config in a child process."""
-        args = ["--dtype", self.dtype, "--device", self.device, "--max-running", str(self.max_running),
-                "--max-prefill-tokens", str(self.max_prefill_tokens), "--weight-version", self.weight_version]
-        if self.context_length:
-            args += ["--context-length", str(self.context_length)]
-        if not self.prefix_cache:
-            args.append("--no-prefix-cache")
-        if self.cpu_affinity:
-            args += ["--cpu-affinity", ",".join(map(str, self.cpu_affinity))]
-        return args
+    sglang_args: list[str] = Field(default_factory=list, json_schema_extra={"cli": False},
+                                   description="extra `sglang.launch_server` flags (rollout.engine=sglang), e.g. "
+                                               "['--tp-size', '2', '--mem-fraction-static', '0.7']")
 
     def sglang_args_for(self) -> list[str]:
         """The `python -m sglang.launch_server` flags equivalent to this config (SGLang on GPU)."""
         args = ["--dtype", self.dtype, "--max-running-requests", str(self.max_running),
-                "--max-prefill-tokens", str(self.max_prefill_tokens), "--weight-version", self.weight_version]
+                "--max-prefill-tokens", str(self.max_prefill_tokens), "--weight-version", str(self.weight_version)]
         if self.context_length:
             args += ["--context-length", str(self.context_length)]
         if not self.prefix_cache:

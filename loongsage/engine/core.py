@@ -14,9 +14,10 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,16 +25,11 @@ from transformers import AutoTokenizer
 
 from loongsage.engine.kv_pool import BatchPlan, Prefill
 from loongsage.engine.model_runner import ModelRunner
+from loongsage.engine.prefix_cache import CacheEntry, PrefixCache
 from loongsage.engine.sampling import sample
-from loongsage.engine.sequence import Sequence, SeqRequest
+from loongsage.engine.sequence import Finish, FinishKind, SeqRequest, Sequence
 
 log = logging.getLogger("loongsage.engine")
-
-
-@dataclass
-class CacheEntry:
-    tokens: np.ndarray  # the token ids whose K/V the slot holds
-    used: int  # scheduler tick of last use (LRU)
 
 
 @dataclass
@@ -54,7 +50,7 @@ class EngineCore:
         max_running: int = 64,
         context_length: int | None = None,
         max_prefill_tokens: int = 4096,
-        weight_version: str = "0",
+        weight_version: int = 0,
         enable_prefix_cache: bool = True,
     ):
         self.model_path = str(model_path)
@@ -63,11 +59,10 @@ class EngineCore:
         self.eos_ids = _eos_ids(self.runner.model, self.tokenizer)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
-        self.enable_prefix_cache = enable_prefix_cache
-        self.weight_version = str(weight_version)
+        self.weight_version = int(weight_version)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.cache: dict[int, CacheEntry] = {}
+        self.cache = PrefixCache(enable_prefix_cache)
         self.paused = False
         self.stats = EngineStats()
         self._tick = 0
@@ -136,7 +131,7 @@ class EngineCore:
         victims = [s for s in list(self.running) + list(self.waiting)
                    if abort_all or s.req.rid == rid or s.req.group_rid == rid]
         for seq in sorted(victims, key=lambda s: -s.slot):
-            seq.finish_reason = {"type": "abort", "message": message}
+            seq.finish = Finish(FinishKind.ABORT, message=message)
             if seq.slot >= 0:
                 self._remove(seq, keep_cache=False)
             else:
@@ -149,15 +144,15 @@ class EngineCore:
             raise RuntimeError(f"cannot flush the cache while {len(self.running)} requests are running")
         self.cache.clear()
 
-    def set_weights(self, load: Callable[[ModelRunner], Any], version: str | None, flush_cache: bool = True,
+    def set_weights(self, load: Callable[[], Any], version: int | None, flush_cache: bool = True,
                     abort_all: bool = False) -> Any:
         """Applies a weight update; cached prefixes computed by old weights are always dropped."""
         if abort_all:
             self.abort(None, abort_all=True, message="aborted for a weight update")
-        result = load(self.runner)
+        result = load()
         self.cache.clear()
         if version is not None:
-            self.weight_version = str(version)
+            self.weight_version = int(version)
         return result
 
     def release_memory(self, tags: list[str] | None) -> None:
@@ -241,7 +236,7 @@ class EngineCore:
         top_n = max((s.req.top_logprobs_num for s in self.running if s.req.return_logprob), default=0)
         params = [s.req.params for s in self.running]
         result = sample(logits[sample_rows], params, [s.generator for s in self.running], top_n)
-        version = _as_int(self.weight_version)
+        version = self.weight_version
         finished = []
         for i, seq in enumerate(self.running):
             if seq.req.rid in prompt_rows:
@@ -254,8 +249,8 @@ class EngineCore:
             if seq.req.return_logprob and seq.req.top_logprobs_num > 0:
                 k = seq.req.top_logprobs_num
                 seq.output_top.append(list(zip(result.top_logprobs[i, :k].tolist(), result.top_ids[i, :k].tolist())))
-            seq.finish_reason = self._finish_reason(seq, tok)
-            if seq.finish_reason is not None:
+            seq.finish = self._finish(seq, tok)
+            if seq.finish is not None:
                 finished.append(seq)
             elif seq.req.stream:
                 self._notify(seq)
@@ -291,18 +286,18 @@ class EngineCore:
             tv, ti = lp.topk(min(k, lp.shape[-1]), dim=-1) if n else (torch.empty(0, k), torch.empty(0, k))
             seq.input_top = lead + [list(zip(a, b)) for a, b in zip(tv.tolist(), ti.tolist())]
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> dict | None:
+    def _finish(self, seq: Sequence, tok: int) -> Finish | None:
         p = seq.req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-            return {"type": "stop", "matched": tok}
+            return Finish(FinishKind.STOP, matched=tok)
         if p.stop:
             longest = max(len(s) for s in p.stop)
             tail = self.tokenizer.decode(seq.output_ids[-(longest + 8):], skip_special_tokens=p.skip_special_tokens)
             for s in p.stop:
                 if s in tail:
-                    return {"type": "stop", "matched": s}
+                    return Finish(FinishKind.STOP, matched=s)
         if len(seq.output_ids) >= p.max_new_tokens or seq.num_tokens >= self.context_length:
-            return {"type": "length", "length": len(seq.output_ids)}
+            return Finish(FinishKind.LENGTH, length=len(seq.output_ids))
         return None
 
     def _admit(self) -> None:
@@ -320,14 +315,18 @@ class EngineCore:
         """Puts `seq` into slot n = len(running), moving cache entries out of the way."""
         n = len(self.running)
         pool = self.runner.pool
-        hit, reuse = self._lookup(seq)
+        limit = seq.num_tokens - 1
+        first = self._prompt_logprob_from(seq)
+        if first is not None:  # prompt logprobs must be computed, not read from the cache
+            limit = min(limit, first - 1)
+        hit, reuse = self.cache.lookup(seq.all_ids, limit)
         occupant = self.cache.get(n)
         if hit is not None:
             entry = self.cache.pop(hit)
             if hit != n:
                 if occupant is not None:
                     pool.swap(hit, len(entry.tokens), n, len(occupant.tokens))
-                    self.cache[hit] = self.cache.pop(n)
+                    self.cache.put(hit, self.cache.pop(n))
                 else:
                     pool.copy(hit, n, len(entry.tokens))
             seq.kv_len = reuse
@@ -337,41 +336,22 @@ class EngineCore:
             if occupant is not None:
                 self.cache.pop(n)
                 free = next((s for s in range(n + 1, pool.slots) if s not in self.cache), None)
-                if free is None and self.cache:
-                    free = min(self.cache, key=lambda s: self.cache[s].used)
-                    del self.cache[free]
+                if free is None and len(self.cache):
+                    free = self.cache.least_recent()
+                    self.cache.pop(free)
                 if free is not None:
                     pool.copy(n, free, len(occupant.tokens))
-                    self.cache[free] = occupant
+                    self.cache.put(free, occupant)
             seq.kv_len = 0
         seq.slot = n
         self.running.append(seq)
-
-    def _lookup(self, seq: Sequence) -> tuple[int | None, int]:
-        if not self.cache:
-            return None, 0
-        ids = np.asarray(seq.all_ids)
-        limit = len(ids) - 1
-        first = self._prompt_logprob_from(seq)
-        if first is not None:
-            limit = min(limit, first - 1)
-        best, best_len = None, 0
-        for slot, entry in self.cache.items():
-            m = min(len(entry.tokens), limit)
-            if m <= best_len:
-                continue
-            diff = np.flatnonzero(entry.tokens[:m] != ids[:m])
-            common = int(diff[0]) if diff.size else m
-            if common > best_len:
-                best, best_len = slot, common
-        return (best, best_len) if best_len > 0 else (None, 0)
 
     def _remove(self, seq: Sequence, keep_cache: bool) -> None:
         """Takes `seq` out of the running set, keeping slots 0..n-1 dense."""
         i, last = seq.slot, len(self.running) - 1
         pool = self.runner.pool
         entry = None
-        if keep_cache and self.enable_prefix_cache and seq.kv_len > 0 and pool.allocated:
+        if keep_cache and self.cache.enabled and seq.kv_len > 0 and pool.allocated:
             entry = CacheEntry(np.asarray(seq.all_ids[:seq.kv_len]), self._tick)
         if i != last:
             other = self.running[last]
@@ -384,7 +364,7 @@ class EngineCore:
         self.running.pop()
         seq.slot = -1
         if entry is not None:
-            self.cache[last] = entry
+            self.cache.put(last, entry)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -394,10 +374,3 @@ def _eos_ids(model, tokenizer) -> set[int]:
     if ids is None:
         return set()
     return set(ids) if isinstance(ids, (list, tuple)) else {int(ids)}
-
-
-def _as_int(version: str) -> int:
-    try:
-        return int(version)
-    except ValueError:
-        return -1

@@ -12,7 +12,7 @@ from loongsage.cluster.network import is_loopback
 from loongsage.engine.config import EngineConfig
 from loongsage.engine.core import EngineCore
 from loongsage.engine.security import API_KEY_ENV, EngineSecurity
-from loongsage.engine.server import create_app
+from loongsage.engine.server import create_app, release
 from loongsage.heap import freeze_long_lived
 
 
@@ -39,7 +39,5 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                     timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)
     finally:
-        app.state.shared.release()
-        if app.state.mapped is not None:
-            app.state.mapped.release()
+        release(app)
         core.shutdown()

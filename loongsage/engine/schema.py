@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from loongsage.engine.sampling import SamplingParams
+from loongsage.wire import RequestError, Strict, format_validation_error, parse
+
+__all__ = ["RequestError", "parse", "parse_sampling"]
 
 # SGLang sampling fields we accept only at their neutral value.
 _NEUTRAL = {
@@ -19,11 +22,7 @@ _NEUTRAL = {
 }
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SamplingParamsIn(_Strict):
+class SamplingParamsIn(Strict):
     max_new_tokens: int = Field(128, ge=0)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -55,7 +54,7 @@ class SamplingParamsIn(_Strict):
         )
 
 
-class GenerateRequest(_Strict):
+class GenerateRequest(Strict):
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
@@ -67,94 +66,25 @@ class GenerateRequest(_Strict):
     rid: str | list[str] | None = None
 
 
-class UpdateFromTensor(_Strict):
-    serialized_named_tensors: list[str]
-    load_format: Literal["direct", "flattened_bucket"] | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | int | None = None
-    rid: str | None = None
-
-
-class InitGroup(_Strict):
-    master_address: str
-    master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
-    world_size: int = Field(ge=2)
-    group_name: str = "weight_update_group"
-    backend: Literal["gloo", "nccl"] = "gloo"
-    rid: str | None = None
-
-
-class UpdateFromDistributed(_Strict):
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | int | None = None
-    load_format: Literal["flattened_bucket"] | None = None
-    rid: str | None = None
-
-
-class DestroyGroup(_Strict):
-    group_name: str = "weight_update_group"
-    rid: str | None = None
-
-
-class ShareWeights(_Strict):
-    """LoongSage extension: a relay engine shares the weights it serves with same-host peers."""
-    receivers: int = Field(ge=1, le=1024)
-    bucket_mb: float = Field(64.0, gt=0)
-
-
-class FlipWeights(_Strict):
-    """LoongSage extension: serve the standby mapped buffer the trainer has just written."""
-    standby: int = Field(ge=0, le=1)
-    weight_version: str | int | None = None
-    flush_cache: bool = True
-
-
-class UpdateFromDisk(_Strict):
-    model_path: str
-    load_format: str | None = None
-    abort_all_requests: bool = False
-    weight_version: str | int | None = None
-    flush_cache: bool = True
-    rid: str | None = None
-
-
-class PauseRequest(_Strict):
+class PauseRequest(Strict):
     mode: Literal["abort", "retract", "in_place"] = "abort"
     rid: str | None = None
 
 
-class AbortRequest(_Strict):
+class AbortRequest(Strict):
     rid: str | list[str] | None = None
     abort_all: bool = False
 
 
-class MemoryRequest(_Strict):
+class MemoryRequest(Strict):
     tags: list[Literal["weights", "kv_cache"]] | None = None
     rid: str | None = None
 
 
-class WeightVersionRequest(_Strict):
+class WeightVersionRequest(Strict):
     new_version: str | int
     abort_all_requests: bool = True
     rid: str | None = None
-
-
-class RequestError(ValueError):
-    """A client error: answered with HTTP 400 and this message."""
-
-
-def parse(model: type[BaseModel], body: Any) -> Any:
-    try:
-        return model.model_validate(body if body is not None else {})
-    except ValidationError as exc:
-        raise RequestError(format_validation_error(exc)) from None
 
 
 def parse_sampling(raw: dict | None, index: int | None = None) -> SamplingParamsIn:
@@ -170,16 +100,3 @@ def parse_sampling(raw: dict | None, index: int | None = None) -> SamplingParams
         return SamplingParamsIn.model_validate(raw)
     except ValidationError as exc:
         raise RequestError(format_validation_error(exc, prefix=where)) from None
-
-
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in ((prefix,) if prefix else ()) + tuple(err["loc"]))
-        if err["type"] == "extra_forbidden":
-            parts.append(f"{loc}: unknown field")
-        elif err["type"] == "missing":
-            parts.append(f"{loc}: required field is missing")
-        else:
-            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
-    return "; ".join(parts)

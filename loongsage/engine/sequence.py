@@ -1,12 +1,38 @@
 """The state of one generated sequence inside the engine, and the snapshot sent to clients."""
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from loongsage.engine.sampling import SamplingParams
+
+
+class FinishKind(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class Finish:
+    """Why a sequence ended; SGLang's `finish_reason` dict only at the HTTP edge (`to_wire`)."""
+    kind: FinishKind
+    matched: int | str | None = None  # stop: the token id or stop string
+    length: int | None = None  # length: the output length
+    message: str | None = None  # abort: why
+
+    def to_wire(self) -> dict:
+        out: dict = {"type": self.kind.value}
+        if self.kind is FinishKind.STOP:
+            out["matched"] = self.matched
+        elif self.kind is FinishKind.LENGTH:
+            out["length"] = self.length
+        else:
+            out["message"] = self.message
+        return out
 
 
 @dataclass
@@ -21,7 +47,7 @@ class SeqRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
-    on_update: Callable[["SeqSnapshot"], None] | None = None
+    on_update: Callable[[SeqSnapshot], None] | None = None
 
 
 @dataclass
@@ -35,8 +61,8 @@ class SeqSnapshot:
     input_top: list[list[tuple[float, int]] | None] | None
     prompt_tokens: int
     cached_tokens: int
-    finish_reason: dict | None
-    weight_version: str
+    finish: Finish | None
+    weight_version: int
 
 
 @dataclass
@@ -51,7 +77,7 @@ class Sequence:
     kv_len: int = 0  # tokens whose K/V sit in the slot
     slot: int = -1
     cached_tokens: int = 0
-    finish_reason: dict | None = None
+    finish: Finish | None = None
     generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
@@ -70,7 +96,7 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.req.input_ids) + len(self.output_ids)
 
-    def snapshot(self, weight_version: str) -> SeqSnapshot:
+    def snapshot(self, weight_version: int) -> SeqSnapshot:
         return SeqSnapshot(
             rid=self.req.rid,
             output_ids=list(self.output_ids),
@@ -81,6 +107,6 @@ class Sequence:
             input_top=None if self.input_top is None else list(self.input_top),
             prompt_tokens=len(self.req.input_ids),
             cached_tokens=self.cached_tokens,
-            finish_reason=self.finish_reason,
+            finish=self.finish,
             weight_version=weight_version,
         )

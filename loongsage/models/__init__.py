@@ -1,5 +1,2 @@
-"""Model and tokenizer factories: tiny real-architecture HF models for CPU recipes and tests."""
-from loongsage.models.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, build_char_tokenizer
-from loongsage.models.factory import TinyModelSpec, build_tiny_model
-
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_char_tokenizer", "TinyModelSpec", "build_tiny_model"]
+"""Model and tokenizer factories: tiny real-architecture HF models for CPU recipes and tests
+(`factory.py`, `tokenizer.py`), and the `model` config section (`config.py`, no torch)."""

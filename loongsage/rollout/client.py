@@ -6,7 +6,8 @@ controller's CPU in async runs, CPU the engine and trainer need on a 2-core mach
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -117,7 +118,7 @@ class EngineClient:
     async def resume(self) -> dict:
         return await self._post("/continue_generation")
 
-    async def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
+    async def abort(self, rid: str | list[str] | None = None, abort_all: bool = False) -> dict:
         return await self._post("/abort_request", {"rid": rid, "abort_all": abort_all})
 
     async def flush_cache(self) -> str:

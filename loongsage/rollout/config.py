@@ -3,6 +3,12 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loongsage.extensions import plugin
+
+WindowStrategyName = plugin("window", ["staleness", "windowed_fifo"])
+DataFilter = plugin("filter")
+ClientClass = plugin("client")
+
 
 class SamplingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -13,7 +19,7 @@ class SamplingConfig(BaseModel):
     n: int = Field(1, ge=1, description="samples per prompt (a GRPO group)")
 
     @model_validator(mode="after")
-    def _greedy_group(self) -> "SamplingConfig":
+    def _greedy_group(self) -> SamplingConfig:
         if self.n > 1 and self.temperature == 0.0:
             raise ValueError("n > 1 with temperature 0 gives n identical greedy samples; raise temperature or set n=1")
         return self
@@ -39,3 +45,10 @@ class RolloutConfig(BaseModel):
     pause_mode: str = Field("in_place", pattern="^(in_place|retract|abort|none)$",
                             description="how engines hold in-flight requests during a weight update")
     weight_bucket_mb: float = Field(64.0, gt=0)
+    window: WindowStrategyName = Field("staleness", description="staleness: take finished groups as they finish; "
+                                       "windowed_fifo: only within B of the oldest uncollected group; or module:attr "
+                                       "of a window strategy class (window.py)")
+    filters: list[DataFilter] = Field(default_factory=list, description="module:attr (or registered) filters "
+                                      "(group) -> keep?, applied with dynamic_sampling")
+    client: ClientClass | None = Field(None, description="module:attr of an InferenceClient class (base_url, api_key) "
+                                       "instead of the built-in SGLang-protocol HTTP client")

@@ -15,19 +15,19 @@ from loongsage.transfer.tensor_handles import SHM_PREFIX
 
 
 class EngineActor:
-    def __init__(self, model_path: str, cfg: dict, threads: int, kind: str, api_key: str, shm_prefix: str,
+    def __init__(self, model_path: str, ecfg: EngineConfig, threads: int, kind: str, api_key: str, shm_prefix: str,
                  weight_roots: list[str]):
+        from loongsage.cliargs import flags_of
         from loongsage.cluster.network import node_address
         from loongsage.rollout.launcher import launch_engine, launch_sglang
         from loongsage.transfer.devices import physical_device
 
-        ecfg = EngineConfig.model_validate(cfg)
         self.device = physical_device("cuda:0" if kind == "sglang" else ecfg.device)
         host = node_address()
         if kind == "sglang":
             self.proc = launch_sglang(model_path, ecfg.sglang_args_for(), host=host, api_key=api_key)
         else:
-            extra = ecfg.cli_args() + ["--shm-prefix", shm_prefix]
+            extra = flags_of(ecfg) + ["--shm-prefix", shm_prefix]
             if weight_roots:
                 extra += ["--weight-roots", *weight_roots]
             self.proc = launch_engine(model_path, host=host, threads=threads, extra_args=extra, api_key=api_key)
@@ -53,7 +53,7 @@ class EngineGroup:
         gpus = rollout.engine_gpus if on_gpu else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
         self.api_key = secrets.token_urlsafe(32)  # clients: Router(urls, api_key=...), EngineClient(url, api_key)
-        self.actors = [actor.remote(str(model_path), engine_cfg.model_dump(), rollout.engine_threads, rollout.engine,
+        self.actors = [actor.remote(str(model_path), engine_cfg, rollout.engine_threads, rollout.engine,
                                     self.api_key, shm_prefix, [str(r) for r in weight_roots])
                        for _ in range(rollout.num_engines)]
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])

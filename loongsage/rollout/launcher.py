@@ -58,7 +58,7 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "EngineProcess":
+    def __enter__(self) -> EngineProcess:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,7 +19,7 @@ class GenerateOutput:
     input_logprobs: list[float | None] | None
     prompt_tokens: int
     cached_tokens: int
-    weight_version: str
+    weight_version: int
 
     @property
     def finish_type(self) -> str:
@@ -30,7 +30,7 @@ class GenerateOutput:
         """Per output token policy version; a stock SGLang server reports one version per request."""
         if self.output_versions is not None:
             return list(self.output_versions)
-        return [int(self.weight_version or 0)] * len(self.output_ids)
+        return [self.weight_version] * len(self.output_ids)
 
 
 def build_generate(
@@ -70,8 +70,19 @@ def parse_generate(obj: dict[str, Any]) -> GenerateOutput:
         input_logprobs=None if in_lp is None else [t[0] for t in in_lp],
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
-        weight_version=str(meta.get("weight_version", "")),
+        weight_version=parse_version(meta.get("weight_version")),
     )
+
+
+def parse_version(value: Any) -> int:
+    """SGLang's `weight_version` (a string on the wire) as LoongSage's integer version; SGLang's
+    unnamed initial version ("default", or none) is 0."""
+    if value is None or value in ("", "default"):
+        return 0
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    raise ValueError(f"weight_version {value!r} is not an integer version (start SGLang with --weight-version N)")
 
 
 def build_update_from_distributed(

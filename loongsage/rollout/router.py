@@ -1,22 +1,28 @@
 """Spreads requests over engines: least outstanding requests, and a conversation (session) sticks
-to the engine that holds its prefix cache."""
+to the engine that holds its prefix cache. It knows which engine holds every request in flight, so
+an abort goes to that engine only."""
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from typing import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from loongsage.rollout import protocol as P
 from loongsage.rollout.client import EngineClient
 
 
 class Router:
-    def __init__(self, urls: list[str], max_sessions: int = 100_000, api_key: str | None = None):
-        if not urls:
+    def __init__(self, urls: list[str], max_sessions: int = 100_000, api_key: str | None = None,
+                 clients: list[EngineClient] | None = None):
+        """`clients`: ready-made clients (another InferenceClient implementation) instead of `urls`."""
+        self.clients = clients or [EngineClient(u, api_key) for u in urls]
+        if not self.clients:
             raise ValueError("router needs at least one engine")
-        self.clients = [EngineClient(u, api_key) for u in urls]
-        self.outstanding = [0] * len(urls)
+        self.outstanding = [0] * len(self.clients)
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self.max_sessions = max_sessions
+        self.inflight: dict[str, tuple[str | None, int]] = {}  # rid -> (session, engine index)
+        self._rids = itertools.count()
 
     def pick(self, session: str | None = None) -> int:
         if session is not None and session in self.sessions:
@@ -29,27 +35,47 @@ class Router:
                 self.sessions.popitem(last=False)
         return idx
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
-                       **kw) -> list[P.GenerateOutput]:
-        """One prompt; returns a list (n samples when sampling_params has n > 1)."""
+    def _begin(self, session: str | None, rid: str | None) -> tuple[int, str]:
         idx = self.pick(session)
+        rid = rid or f"{session or 'r'}-{next(self._rids)}"
         self.outstanding[idx] += 1
+        self.inflight[rid] = (session, idx)
+        return idx, rid
+
+    def _end(self, idx: int, rid: str) -> None:
+        self.outstanding[idx] -= 1
+        self.inflight.pop(rid, None)
+
+    async def generate(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
+                       rid: str | None = None, **kw) -> list[P.GenerateOutput]:
+        """One prompt; returns a list (n samples when sampling_params has n > 1)."""
+        idx, rid = self._begin(session, rid)
         try:
-            res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, **kw))
+            res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, rid=rid, **kw))
         finally:
-            self.outstanding[idx] -= 1
+            self._end(idx, rid)
         return [P.parse_generate(r) for r in (res if isinstance(res, list) else [res])]
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
-                              **kw) -> AsyncIterator[P.GenerateOutput]:
+                              rid: str | None = None, **kw) -> AsyncIterator[P.GenerateOutput]:
         """One prompt, one sample, as cumulative snapshots while it is generated (the last is final)."""
-        idx = self.pick(session)
-        self.outstanding[idx] += 1
+        idx, rid = self._begin(session, rid)
         try:
-            async for chunk in self.clients[idx].generate_stream(input_ids, sampling_params, **kw):
+            async for chunk in self.clients[idx].generate_stream(input_ids, sampling_params, rid=rid, **kw):
                 yield P.parse_generate(chunk)
         finally:
-            self.outstanding[idx] -= 1
+            self._end(idx, rid)
+
+    async def abort_where(self, session_matches: Callable[[str | None], bool]) -> int:
+        """Aborts every request in flight whose session matches, on the engine that holds it;
+        returns how many were aborted."""
+        per_engine: dict[int, list[str]] = {}
+        for rid, (session, idx) in list(self.inflight.items()):
+            if session_matches(session):
+                per_engine.setdefault(idx, []).append(rid)
+        for idx, rids in per_engine.items():
+            await self.clients[idx].abort(rids)
+        return sum(len(r) for r in per_engine.values())
 
     async def aclose(self) -> None:
         for c in self.clients:

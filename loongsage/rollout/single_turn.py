@@ -1,23 +1,86 @@
-"""Single-turn rollouts: one prompt, n samples from the engine, rewards from the verifier.
-(Multi-turn and tool-using agents are AgentFlow's; they produce the same `Sample`s.)"""
+"""Single-turn rollouts: one prompt, n samples from the engine in one request, rewards from the
+verifier; held-out evaluation is one answer per row. (Multi-turn and tool-using agents are
+AgentFlow's, `agentflow/rollouts.py`; all produce the same `Group`s.)"""
 from __future__ import annotations
 
+import asyncio
+from collections import defaultdict
+from dataclasses import dataclass, field
+
 from loongsage.rollout.router import Router
-from loongsage.sample import Sample
+from loongsage.sample import Group, Sample
 from loongsage.tasks.base import TaskRow, TaskSpec
 from loongsage.tasks.prepare import prompt_ids
 
 
-async def sample_group(router: Router, tokenizer, row: TaskRow, spec: TaskSpec, sampling_params: dict,
-                       n: int, group: int, rid: str | None = None) -> list[Sample]:
-    ids = prompt_ids(tokenizer, row)
-    outs = await router.generate(ids, {**sampling_params, "n": n}, session=f"group-{group}", return_logprob=True,
-                                 rid=rid)
-    samples = []
-    for o in outs:
-        samples.append(Sample(
+def group_session(gid: int) -> str:
+    return f"g{gid}"
+
+
+def in_group(session: str | None, gid: int) -> bool:
+    """Whether a router session belongs to group `gid` (its own, or one of its episodes' `g<gid>-...`,
+    also behind a gateway prefix `gw-`)."""
+    if session is None:
+        return False
+    name = session.removeprefix("gw-")
+    return name == f"g{gid}" or name.startswith(f"g{gid}-")
+
+
+@dataclass
+class RolloutSetup:
+    """What every rollout kind is built from (`agentflow.rollouts.make_rollout`)."""
+    router: Router
+    tokenizer: object
+    model_dir: str
+    spec: TaskSpec
+    sampling: dict  # SGLang sampling_params of the policy
+    max_new_tokens: int
+    agent: object = None  # AgentConfig
+    extra: dict = field(default_factory=dict)
+
+
+class SingleTurnRollout:
+    def __init__(self, setup: RolloutSetup):
+        self.router, self.tok, self.spec = setup.router, setup.tokenizer, setup.spec
+        self.sampling, self.max_new_tokens = dict(setup.sampling), setup.max_new_tokens
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+    async def group(self, row: TaskRow, n: int, gid: int) -> Group:
+        ids = prompt_ids(self.tok, row)
+        session = group_session(gid)
+        outs = await self.router.generate(ids, {**self.sampling, "n": n}, session=session, return_logprob=True,
+                                          rid=session)
+        samples = [Sample(
             prompt_ids=ids, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids),
-            behavior_logprobs=o.output_logprobs, versions=o.versions, reward=spec.reward(o.text, row), tag=row.tag,
-            status="truncated" if o.finish_type == "length" else ("failed" if o.finish_type == "abort" else "ok"),
-            group=group, text=o.text))
-    return samples
+            behavior_logprobs=o.output_logprobs, versions=o.versions, reward=self.spec.reward(o.text, row),
+            tag=row.tag, status="truncated" if o.finish_type == "length" else ("failed" if o.finish_type == "abort" else "ok"),
+            group=gid, text=o.text) for o in outs]
+        return Group(samples, [s.reward for s in samples], row.tag, failed=sum(s.status == "failed" for s in samples))
+
+    async def cancel(self, gid: int) -> int:
+        return await self.router.abort_where(lambda s: in_group(s, gid))
+
+    async def evaluate(self, rows: list[TaskRow], temperature: float = 0.0) -> dict[str, float]:
+        """Held-out success: one answer per row (greedy unless a temperature is given), scored by the
+        task's verifier."""
+        params = {"temperature": temperature, "max_new_tokens": self.max_new_tokens}
+        outs = await asyncio.gather(*[self.router.generate(prompt_ids(self.tok, r), params, return_logprob=False)
+                                      for r in rows])
+        return accuracy_by_tag(rows, [self.spec.reward(o[0].text, r) for r, o in zip(rows, outs)])
+
+
+def accuracy_by_tag(rows: list[TaskRow], scores: list[float]) -> dict[str, float]:
+    """`eval/accuracy`, and `eval/<tag>/accuracy` when the rows have tags."""
+    by_tag: dict[str, list[float]] = defaultdict(list)
+    for row, score in zip(rows, scores):
+        by_tag[row.tag].append(score)
+    out = {"eval/accuracy": sum(scores) / len(scores)}
+    if len(by_tag) > 1 or next(iter(by_tag)) != "default":
+        for tag, v in by_tag.items():
+            out[f"eval/{tag}/accuracy"] = sum(v) / len(v)
+    return out

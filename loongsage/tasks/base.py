@@ -1,8 +1,9 @@
 """The row every data set becomes, and the registry of built-in tasks with their verifiers."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass
@@ -54,6 +55,19 @@ def draw_unique(n: int, draw: Callable[[], tuple[str, TaskRow]], exclude: set[st
 
 def register(spec: TaskSpec) -> TaskSpec:
     TASKS[spec.name] = spec
+    return spec
+
+
+def task_spec(cfg) -> TaskSpec:
+    """The task of a `task` config section: a built-in name or `module:attr` of a TaskSpec, with the
+    configured `reward` (module:attr or registered) in place of its verifier."""
+    import dataclasses
+
+    from loongsage.extensions import resolve
+
+    spec = resolve(cfg.name, "task") if ":" in cfg.name else get_task(cfg.name)
+    if cfg.reward is not None:
+        spec = dataclasses.replace(spec, reward=resolve(cfg.reward, "reward"))
     return spec
 
 

@@ -5,10 +5,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from loongsage.extensions import plugin
+
+Reward = plugin("reward")
+
 
 class TaskConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = "arithmetic"  # a built-in task (for generation and its verifier)
+    name: str = Field("arithmetic", description="a built-in task (generator and verifier), or module:attr of a TaskSpec")
+    reward: Reward | None = Field(None, description="module:attr (or registered) reward (response_text, row) -> "
+                                  "float, instead of the task's verifier")
     params: dict[str, Any] = Field(default_factory=dict, description="generator parameters, e.g. digits: 3")
     train_size: int = Field(2000, ge=1)
     eval_size: int = Field(200, ge=1)
@@ -22,16 +28,20 @@ class TaskConfig(BaseModel):
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
+        from loongsage.extensions import resolve
         from loongsage.tasks.base import TASKS, get_task
 
+        if ":" in name:
+            resolve(name, "task")
+            return name
         try:
             get_task(name)
         except KeyError:
-            raise ValueError(f"unknown task; expected one of {sorted(TASKS)}") from None
+            raise ValueError(f"unknown task; expected one of {sorted(TASKS)} or module:attr of a TaskSpec") from None
         return name
 
     @model_validator(mode="after")
-    def _paths(self) -> "TaskConfig":
+    def _paths(self) -> TaskConfig:
         if (self.train_path is None) != (self.eval_path is None):
             raise ValueError("train_path and eval_path must be given together")
         return self

@@ -5,9 +5,10 @@ A malformed row is reported with its file and line (jsonl) or row number (parque
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from loongsage.tasks.base import TaskRow
 

@@ -5,7 +5,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from loongsage.tasks.base import TaskRow, get_task
+from loongsage.tasks.base import TaskRow, task_spec
 from loongsage.tasks.config import TaskConfig
 from loongsage.tasks.dataset import DataSchema, load_rows, write_jsonl
 
@@ -16,10 +16,10 @@ def prepare_data(cfg: TaskConfig) -> tuple[list[TaskRow], list[TaskRow]]:
         schema = DataSchema(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
         return load_rows(cfg.train_path, schema), load_rows(cfg.eval_path, schema)
     key = json.dumps([cfg.name, cfg.params, cfg.train_size, cfg.eval_size, cfg.seed], sort_keys=True)
-    folder = Path(cfg.data_dir) / f"{cfg.name}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    folder = Path(cfg.data_dir) / f"{cfg.name.replace(':', '-')}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     train_file, eval_file = folder / "train.jsonl", folder / "eval.jsonl"
     if not (train_file.is_file() and eval_file.is_file()):
-        spec = get_task(cfg.name)
+        spec = task_spec(cfg)
         eval_rows = spec.generate(cfg.eval_size, seed=cfg.seed + 1_000_003, **cfg.params)
         held_out = {_key(r) for r in eval_rows}
         train_rows = spec.generate(cfg.train_size, seed=cfg.seed, exclude=held_out, **cfg.params)

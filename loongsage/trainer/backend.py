@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from loongsage.algo.losses import LossConfig
+from loongsage.algo.config import LossConfig
 from loongsage.trainer.batch import TrainBatch
 
 

@@ -35,11 +35,11 @@ class TrainBatch:
     def num_sequences(self) -> float:
         return float((self.loss_mask.sum(dim=1) > 0).sum())
 
-    def select(self, idx) -> "TrainBatch":
+    def select(self, idx) -> TrainBatch:
         return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[idx])
                              for f in fields(self)})
 
-    def shards(self, n: int) -> list["TrainBatch"]:
+    def shards(self, n: int) -> list[TrainBatch]:
         """n equal-sized shards; missing rows are copies of row 0 with an all-zero loss mask."""
         per = -(-self.size // n)
         out = []
@@ -52,13 +52,13 @@ class TrainBatch:
             out.append(shard)
         return out
 
-    def trim(self, length: int) -> "TrainBatch":
+    def trim(self, length: int) -> TrainBatch:
         """The first `length` positions (the rest is padding of every row)."""
         return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else
                                       getattr(self, f.name)[:, : length if f.name in _FULL_LENGTH else length - 1])
                              for f in fields(self)})
 
-    def micro_batches(self, size: int) -> list[tuple[list[int], "TrainBatch"]]:
+    def micro_batches(self, size: int) -> list[tuple[list[int], TrainBatch]]:
         """(row indices, micro-batch) with rows sorted by length and each micro-batch trimmed to its
         own longest row: RL batches mix short answers with a few long (truncated) ones, and padding
         costs compute (a 256 x 14 batch of 9-token answers trains ~22% faster as 4 sorted x 64).

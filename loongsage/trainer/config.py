@@ -5,10 +5,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from loongsage.extensions import plugin
+
+BackendName = plugin("trainer_backend", ["fsdp", "megatron"])
+
 
 class TrainerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    backend: Literal["fsdp", "megatron"] = "fsdp"
+    backend: BackendName = Field("fsdp", description="fsdp | megatron, or module:attr of a TrainBackend class "
+                                 "(cfg, model_path)")
     world_size: int = Field(1, ge=1, description="trainer ranks (Ray actors)")
     tensor_parallel_size: int = Field(1, ge=1, description="megatron: ranks per tensor-parallel group")
     pipeline_parallel_size: int = Field(1, ge=1, description="megatron: pipeline stages; data parallel = "
@@ -30,7 +35,7 @@ class TrainerConfig(BaseModel):
     seed: int = 0
 
     @model_validator(mode="after")
-    def _parallelism(self) -> "TrainerConfig":
+    def _parallelism(self) -> TrainerConfig:
         model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
         if model_parallel > 1 and self.backend != "megatron":
             raise ValueError("tensor_parallel_size / pipeline_parallel_size > 1 need backend: megatron")

@@ -11,7 +11,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
@@ -19,10 +22,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from loongsage.algo.losses import LossConfig
+from loongsage.algo.config import LossConfig
+from loongsage.models.hf_folder import write_hf_folder
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy, write_hf_folder
+from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy
+
 
 class FSDPBackend:
     def __init__(self, cfg: TrainerConfig, model_path: str):

@@ -6,8 +6,9 @@ import asyncio
 import ray
 import torch
 
-from loongsage.algo.losses import LossConfig
+from loongsage.algo.config import LossConfig
 from loongsage.cluster.actors import stop_actors
+from loongsage.extensions import search_path
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import ADDITIVE, MAXIMAL
@@ -21,7 +22,7 @@ class TrainerGroup:
         self.cfg = cfg
         world = cfg.world_size
         actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0)(TrainerRank)
-        self.ranks = [actor.remote(cfg.model_dump(), str(model_path), r, world, shm_prefix) for r in range(world)]
+        self.ranks = [actor.remote(cfg, str(model_path), r, world, shm_prefix, search_path()) for r in range(world)]
         try:
             master = ray.get(self.ranks[0].open_rendezvous.remote())  # on rank 0's node, by rank 0
             ray.get([r.setup.remote(*master) for r in self.ranks])
@@ -57,8 +58,7 @@ class TrainerGroup:
 
     async def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None) -> dict[str, float]:
         denominator = batch.num_tokens if (loss_cfg is None or loss_cfg.aggregation == "token_mean") else batch.num_sequences
-        cfg = None if loss_cfg is None else loss_cfg.model_dump()
-        per_rank = await asyncio.gather(*[r.train_step.remote(s, loss, cfg, max(denominator, 1.0))
+        per_rank = await asyncio.gather(*[r.train_step.remote(s, loss, loss_cfg, max(denominator, 1.0))
                                           for r, s in zip(self.ranks, self._rank_shards(batch))])
         per_rank = self._replica_leads(per_rank)
         out = {}

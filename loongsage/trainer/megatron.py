@@ -21,13 +21,19 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from loongsage.algo.losses import LossConfig
+from loongsage.algo.config import LossConfig
+from loongsage.models.hf_folder import write_hf_folder
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.megatron_convert import (
-    Layout, apply_rules, build_gpt_model, export_rules, hf_to_megatron, transformer_engine_available,
+    Layout,
+    apply_rules,
+    build_gpt_model,
+    export_rules,
+    hf_to_megatron,
+    transformer_engine_available,
 )
-from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy, write_hf_folder
+from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy
 
 
 def _hf_weights(model_path: str) -> dict[str, torch.Tensor]:

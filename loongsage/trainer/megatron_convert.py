@@ -39,7 +39,7 @@ class Layout:
     max_positions: int
 
     @classmethod
-    def from_hf(cls, config) -> "Layout":
+    def from_hf(cls, config) -> Layout:
         arch = config.model_type
         if arch not in SUPPORTED:
             raise ValueError(f"trainer.backend=megatron: model_type {arch!r} is not supported; expected one of {SUPPORTED}")

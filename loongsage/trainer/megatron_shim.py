@@ -8,8 +8,8 @@ assume CUDA in a few ways; each line below redirects one of them and nothing els
 2. The model-parallel CUDA RNG tracker forks CUDA generator states around initialisation and
    dropout: a tracker with the same interface forks the CPU generator instead (the seeds are kept,
    so tensor-parallel ranks still draw different dropout masks from distinct, reproducible seeds).
-3. Explicit `device="cuda"` in factory calls of a few modules (listed in PATCHED_MODULES): those modules see a `torch` whose factory
-   functions build on the CPU when asked for CUDA. No other module, and not `torch` itself, changes.
+3. Explicit `device="cuda"` in factory calls of a few modules (listed in PATCHED_MODULES): those modules see
+   a `torch` whose factory functions build on the CPU when asked for CUDA. No other module, and not `torch` itself, changes.
 4. `Tensor.cuda()` (tied embeddings across pipeline stages are synchronised after `.cuda()`) leaves
    the tensor where it is, and `torch.cuda.synchronize()` (pipeline p2p shape exchange) returns at
    once: without CUDA both could only raise, so nothing that works changes.

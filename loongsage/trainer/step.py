@@ -1,17 +1,16 @@
 """What every training backend does the same way around its own forward/backward: per-token
 logprobs from logits, the micro-batch loss (calling the pure functions of `loongsage.algo`), metric
-reduction over micro-batches and ranks, the LR schedule, and the HF checkpoint folder layout."""
+reduction over micro-batches and ranks, and the LR schedule."""
 from __future__ import annotations
 
-import json
 import math
-import shutil
-from pathlib import Path
 
 import torch
 
-from loongsage.algo.losses import LossConfig, PolicyInputs, policy_loss, sft_loss
+from loongsage.algo.config import LossConfig
+from loongsage.algo.losses import PolicyInputs, policy_loss, sft_loss
 from loongsage.algo.mismatch import train_inference_gap
+from loongsage.extensions import resolve
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 
@@ -56,7 +55,8 @@ def micro_batch_loss(lp: torch.Tensor, ent: torch.Tensor | None, mb: TrainBatch,
     behavior = mb.behavior_logprobs.to(device)
     x = PolicyInputs(lp, proximal, behavior, mb.advantages.to(device), mask, ent,
                      None if mb.ref_logprobs is None else mb.ref_logprobs.to(device))
-    value, metrics = policy_loss(x, loss_cfg, denominator)
+    loss_fn = policy_loss if loss_cfg.policy_loss == "ppo" else resolve(loss_cfg.policy_loss, "policy_loss")
+    value, metrics = loss_fn(x, loss_cfg, denominator)
     metrics.update(train_inference_gap(behavior, proximal, mask))
     return value, metrics
 
@@ -78,17 +78,3 @@ class MetricSums:
 
     def result(self) -> dict[str, float]:
         return {k: (v if k in ADDITIVE | MAXIMAL else v / max(self.weights[k], 1e-9)) for k, v in self.sums.items()}
-
-
-def write_hf_folder(out: Path, weights: dict[str, torch.Tensor], model_path: str, trainer_state: dict | None) -> None:
-    """An HF folder (loadable by engines and transformers) plus the trainer state (if given)."""
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"))
-    for f in Path(model_path).iterdir():  # config, tokenizer, generation config, ...
-        if f.is_file() and f.suffix not in (".safetensors", ".pt", ".bin") and f.name != "model.safetensors.index.json":
-            shutil.copy(f, out / f.name)
-    if trainer_state is not None:
-        torch.save(trainer_state, out / "trainer_state.pt")
-        (out / "loongsage_checkpoint.json").write_text(json.dumps({"version": trainer_state["version"]}))

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loongsage.extensions import plugin
 from loongsage.transfer.topology import TRANSPORTS, Endpoint
+
+TransportClass = plugin("transport")
 
 
 class TransferConfig(BaseModel):
@@ -12,8 +15,11 @@ class TransferConfig(BaseModel):
     hosts: dict[str, str] = Field(default_factory=dict, description="endpoint name -> host id, e.g. {engine-1: node-b}")
     transports: dict[str, list[str]] = Field(default_factory=dict, description="endpoint name -> transports it speaks")
     verify_every: int = Field(10, ge=0, description="every N-th version, receivers' weight checksums must equal the "
-                                                     "trainer's (one more pass over the weights on both sides); 0: never. Embedded "
-                                                     "engines only: SGLang has no checksum route")
+                                                     "trainer's (one more pass over the weights on both sides); 0: "
+                                                     "never. Embedded engines only: SGLang has no checksum route")
+    implementations: dict[str, TransportClass] = Field(
+        default_factory=dict, description="route -> module:attr of a WeightTransport class replacing the built-in one "
+                                          "for that route (cuda_ipc, shm, collective, relay_shm, disk)")
     disk_dir: str | None = Field(None, description="disk routes: folder for the weight files, visible to their "
                                  "receivers (default: a temporary folder on this machine)")
 

@@ -1,22 +1,30 @@
-"""TransferMesh: a run's weight sync, one transport per group of receivers as the planner routed
-them (`topology.plan`). Same interface as each transport (setup / begin / deliver / push / aclose),
-so the controller does not know which paths are in use."""
+"""TransferMesh: a run's weight sync. One transport per group of receivers as the planner routed
+them (`topology.plan`), each whole in its own module (trainer side, engine routes, this controller
+side); the mesh also owns what surrounds a delivery: holding the receivers while they load (the
+pause mode, with the one-bucket fast path), and verification as its own step (`verify.py`).
+
+    begin(v)   ─► every route's trainer side submitted now (before the trainer's next step)
+    deliver(v) ─► pause receivers ─► routes deliver (relay fan-out after the collective) ─► checksums
+               ─► resume: every receiver confirmed v, bit for bit where verified
+"""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import ray
 
+from loongsage.api import InferenceClient
+from loongsage.transfer.broadcast import DistributedWeightSync
 from loongsage.transfer.config import TransferConfig
-from loongsage.transfer.disk_sync import DiskWeightSync
-from loongsage.transfer.distributed_sync import DistributedWeightSync
-from loongsage.transfer.relay_sync import RelayShmSync
-from loongsage.transfer.shm_mapped_sync import MappedShmSync
-from loongsage.transfer.shm_sync import ShmWeightSync
+from loongsage.transfer.disk import DiskWeightSync
+from loongsage.transfer.mapped import MappedShmSync
+from loongsage.transfer.relay import RelayShmSync
+from loongsage.transfer.staged import ShmWeightSync
 from loongsage.transfer.topology import Endpoint, Plan
-from loongsage.transfer.transport import WeightTransport
-
-EXECUTED = ("cuda_ipc", "shm", "collective", "relay_shm", "disk")
+from loongsage.transfer.transport import BaseTransport
+from loongsage.transfer.verify import ChecksumVerifier
 
 
 def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoint, list[Endpoint]]:
@@ -27,86 +35,123 @@ def discover(trainers, engine_actors, transfer: TransferConfig) -> tuple[Endpoin
             [transfer.endpoint(f"engine-{i}", h, d) for i, (h, d) in enumerate(engines)])
 
 
+@dataclass
+class RouteContext:
+    """What a route's controller side is built from (a user's transport class takes this too)."""
+    trainers: object  # the trainer group (ranks, rank0, weight_meta())
+    clients: list[InferenceClient]  # the receivers on this route
+    engine_dtype: str
+    bucket_mb: float
+    backend: str  # gloo | nccl
+    disk_dir: str | None = None
+    extensions: bool = True  # embedded engines (LoongSage's extra routes), not SGLang
+    on_cpu: bool = True  # the receivers run on CPU (shm: the one-copy mapped route suits them)
+    peers: dict[InferenceClient, list[InferenceClient]] = field(default_factory=dict)  # relay_shm: relay -> peers
+
+
+def _disk(ctx: RouteContext) -> BaseTransport:
+    if ctx.disk_dir is None:
+        raise ValueError("TransferMesh: a disk route needs disk_dir, a folder its receivers may load from")
+    return DiskWeightSync(ctx.trainers, ctx.clients, ctx.engine_dtype, ctx.disk_dir)
+
+
+# route -> how its controller side is built. Same GPU: the engine's own buffers written device to device
+# (one copy; SGLang: trainer-side device buffers + IPC handles). Same host: one copy into engine-owned
+# buffers (SGLang or GPU engines: staging buffers + handles). Other hosts: the collective to one relay
+# per host, which fans out over shared memory. Anything: disk.
+ROUTES: dict[str, Callable[[RouteContext], BaseTransport]] = {
+    "cuda_ipc": lambda ctx: (MappedShmSync(ctx.trainers, ctx.clients) if ctx.extensions
+                             else ShmWeightSync(ctx.trainers, ctx.clients, ctx.engine_dtype, ctx.bucket_mb,
+                                                on_device=True)),
+    "shm": lambda ctx: (MappedShmSync(ctx.trainers, ctx.clients) if ctx.extensions and ctx.on_cpu
+                        else ShmWeightSync(ctx.trainers, ctx.clients, ctx.engine_dtype, ctx.bucket_mb)),
+    "collective": lambda ctx: DistributedWeightSync(ctx.trainers, ctx.clients, ctx.engine_dtype, ctx.bucket_mb,
+                                                    ctx.backend),
+    "relay_shm": lambda ctx: RelayShmSync(ctx.peers, ctx.bucket_mb),
+    "disk": _disk,
+}
+
+
 class WeightMesh:
-    def __init__(self, routes: Plan, trainers, urls: dict[str, str], engine_dtype: str, bucket_mb: float,
-                 backend: str, verify_every: int = 0, disk_dir: str | None = None, extensions: bool = True,
-                 api_key: str | None = None):
-        """`extensions`: the receivers are embedded engines, with LoongSage's routes (/map_weights,
-        /share_weights, /weights_checksum); SGLang servers are not. `api_key`: the receivers' key."""
+    def __init__(self, routes: Plan, trainers, clients: dict[str, InferenceClient], engine_dtype: str,
+                 bucket_mb: float, backend: str, verify_every: int = 0, disk_dir: str | None = None,
+                 extensions: bool = True, pause_mode: str = "in_place",
+                 implementations: dict[str, str] | None = None):
+        """`clients`: receiver name -> its client (owned by the mesh from now on). `extensions`: the
+        receivers are embedded engines, with LoongSage's routes (/map_weights, /share_weights,
+        /weights_checksum); SGLang servers are not. `implementations`: route -> module:attr of a
+        transport class taking a `RouteContext`, replacing the built-in one."""
+        from loongsage.extensions import resolve
+
         groups = routes.by_transport()
         if "relay_shm" in groups and not extensions:
             raise ValueError(f"TransferMesh: {groups['relay_shm']} would be fed by a relay engine, but SGLang engines "
                              "cannot relay (no /share_weights); list their transfer.transports without 'shm' "
                              "(they then take the disk route)")
-        todo = sorted(set(groups) - set(EXECUTED))
-        if todo:
-            raise NotImplementedError(f"TransferMesh: routes {todo} (for {[n for t in todo for n in groups[t]]}) are "
-                                      "planned but have no transport yet; set transfer.transports to avoid them")
-        self.plan = routes
-        self.parts: dict[str, WeightTransport] = {}
-        if "cuda_ipc" in groups:  # same GPU: the engine's own buffers written device to device (one copy);
-            ipc_urls = [urls[n] for n in groups["cuda_ipc"]]  # SGLang: trainer-side device buffers + IPC handles
-            self.parts["cuda_ipc"] = (MappedShmSync(trainers, ipc_urls, api_key) if extensions
-                                      else ShmWeightSync(trainers, ipc_urls, engine_dtype, bucket_mb, on_device=True,
-                                                         api_key=api_key))
-        if "shm" in groups:  # one copy into engine-owned buffers; SGLang or GPU engines: staging buffers + handles
-            shm_urls = [urls[n] for n in groups["shm"]]
-            self.parts["shm"] = (MappedShmSync(trainers, shm_urls, api_key) if extensions and routes.on_cpu(groups["shm"])
-                                 else ShmWeightSync(trainers, shm_urls, engine_dtype, bucket_mb, api_key=api_key))
-        if "collective" in groups:
-            self.parts["collective"] = DistributedWeightSync(trainers, [urls[n] for n in groups["collective"]],
-                                                             engine_dtype, bucket_mb, backend, api_key=api_key)
-        if "relay_shm" in groups:  # fed by the relays, after the collective part
-            peers: dict[str, list[str]] = {}
-            for r in routes.routes:
-                if r.transport == "relay_shm":
-                    peers.setdefault(urls[r.relay], []).append(urls[r.receiver])
-            self.parts["relay_shm"] = RelayShmSync(peers, bucket_mb, api_key)
-        if "disk" in groups:
-            if disk_dir is None:
-                raise ValueError("TransferMesh: a disk route needs disk_dir, a folder its receivers may load from")
-            self.parts["disk"] = DiskWeightSync(trainers, [urls[n] for n in groups["disk"]], engine_dtype, disk_dir,
-                                                api_key)
-        first = next(p for p in self.parts.values() if hasattr(p, "bucket_names"))
-        # the run loop's in-place fast path (no explicit pause) needs one bucket on every route
+        unknown = sorted(set(groups) - set(ROUTES))
+        if unknown:
+            raise NotImplementedError(f"TransferMesh: routes {unknown} (for {[n for t in unknown for n in groups[t]]}) "
+                                      "are planned but have no transport; set transfer.transports to avoid them")
+        self.plan, self.clients, self.pause_mode = routes, clients, pause_mode
+        self.parts: dict[str, BaseTransport] = {}
+        for route, names in groups.items():
+            ctx = RouteContext(trainers, [clients[n] for n in names], engine_dtype, bucket_mb, backend, disk_dir,
+                               extensions, routes.on_cpu(names))
+            if route == "relay_shm":
+                for r in routes.routes:
+                    if r.transport == "relay_shm":
+                        ctx.peers.setdefault(clients[r.relay], []).append(clients[r.receiver])
+            build = resolve(implementations[route], "transport") if implementations and route in implementations \
+                else ROUTES[route]
+            self.parts[route] = build(ctx)
         self.buckets = max((p.buckets for p in self.parts.values()), key=len)
+        first = next(p for p in self.parts.values() if hasattr(p, "bucket_names"))
         self.names = [n for names in first.bucket_names for n in names]  # every exported tensor
-        self.trainers, self.dtype, self.verify_every = trainers, engine_dtype, verify_every
+        receivers = [c for p in self.parts.values() for c in p.clients]
+        self.verifier = ChecksumVerifier(trainers, receivers, self.names, engine_dtype, verify_every)
 
     async def setup(self) -> None:
         await asyncio.gather(*[p.setup() for p in self.parts.values()])
 
     def begin(self, version: int) -> dict:
         begun = {name: part.begin(version) for name, part in self.parts.items()}
-        if self.verify_every and version % self.verify_every == 0:  # submitted now: before the next train step
-            begun["checksum"] = [r.weights_checksum.remote(self.names, self.dtype) for r in self.trainers.ranks]
+        begun["verify"] = self.verifier.begin(version)  # submitted now: before the next train step
         return begun
 
     async def deliver(self, version: int, begun: dict) -> dict[str, float]:
+        """Every receiver serves `version` afterwards (confirmed, and verified when due)."""
+        mode = self.pause_mode
+        if mode == "in_place" and len(self.buckets) == 1:
+            # One bucket is applied by the engine thread between two steps with every running request
+            # held where it is: an in-place pause by construction, without two extra round trips.
+            mode = "none"
+        clients = list(self.clients.values())
+        if mode != "none":
+            await asyncio.gather(*[c.pause(mode) for c in clients])
+        try:
+            out = await self._deliver_parts(version, begun)
+            await self.verifier.check(version, begun["verify"])
+        finally:
+            if mode != "none":
+                await asyncio.gather(*[c.resume() for c in clients])
+        return out
+
+    async def _deliver_parts(self, version: int, begun: dict) -> dict[str, float]:
         names = [n for n in self.parts if n != "relay_shm"]
         results = await asyncio.gather(*[self.parts[n].deliver(version, begun[n]) for n in names])
         if "relay_shm" in self.parts:  # the relays hold the version now: fan it out on their hosts
             names.append("relay_shm")
             results.append(await self.parts["relay_shm"].deliver(version, begun["relay_shm"]))
-        if "checksum" in begun:
-            await self._verify(version, (await asyncio.gather(*begun["checksum"]))[0])
         out = {"time/weight_sync_s": max(r["time/weight_sync_s"] for r in results),
                "weight_sync/bytes": max(r["weight_sync/bytes"] for r in results)}
         for n, r in zip(names, results):
             out[f"time/weight_sync_{n}_s"] = r["time/weight_sync_s"]
         return out
 
-    async def _verify(self, version: int, expected: int) -> None:
-        """Every receiver's weights must be bit-identical to the trainer's export (in its dtype)."""
-        clients = [c for p in self.parts.values() for c in p.clients]
-        reports = await asyncio.gather(*[c.weights_checksum() for c in clients])
-        bad = [(c.base_url, r["weight_version"]) for c, r in zip(clients, reports)
-               if r["checksum"] != str(expected) or r["weight_version"] != str(version)]
-        if bad:
-            raise RuntimeError(f"weight sync to version {version}: checksum mismatch on {bad}")
-
     async def push(self, version: int) -> dict[str, float]:
         return await self.deliver(version, self.begin(version))
 
     async def aclose(self) -> None:
         await asyncio.gather(*[p.aclose() for p in self.parts.values()])
+        for c in self.clients.values():
+            await c.aclose()

@@ -16,12 +16,11 @@ import pickle
 import re
 import secrets
 from collections.abc import Iterable
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing as tmp
-from multiprocessing.reduction import ForkingPickler
-
-import torch.multiprocessing.reductions  # noqa: F401  (registers the tensor reductions)
+import torch.multiprocessing.reductions
 
 SHM_PREFIX = "loongsage-"  # every shared buffer's /dev/shm name starts with this (a run adds its id)
 _SHM_NAME = re.compile(r"/[A-Za-z0-9_.-]+")

@@ -33,7 +33,7 @@ class Endpoint:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"{self.name}: device must be 'cpu' or 'cuda:<i>', got {self.device!r}")
 
-    def speaks(self, other: "Endpoint", transport: str) -> bool:
+    def speaks(self, other: Endpoint, transport: str) -> bool:
         return transport in self.transports and transport in other.transports
 
 

@@ -1,36 +1,37 @@
-"""The one small interface every weight transport implements (one file per transport).
+"""What every controller-side route shares (the contract is `api.WeightTransport`).
 
 `begin(version)` submits the trainer side at once, so it is ordered before the trainer's next step
 (ranks snapshot the weights); `deliver(version, begun)` feeds the receivers and ends with `finish`,
 which requires every receiver to report the new version (a mismatch is an error, never served).
+Receivers' clients belong to the mesh, which closes them.
 """
 from __future__ import annotations
 
 import asyncio
 import time
 
-from loongsage.rollout.client import EngineClient
+from loongsage.api import InferenceClient
 
 
-async def confirm_version(clients: list[EngineClient], version: int) -> None:
+async def confirm_version(clients: list[InferenceClient], version: int) -> None:
     """Every receiver must report `version` before it serves again; a mismatch is an error."""
     infos = await asyncio.gather(*[c.model_info() for c in clients])
-    bad = [(c.base_url, i["weight_version"]) for c, i in zip(clients, infos) if i["weight_version"] != str(version)]
+    bad = [(c.base_url, i["weight_version"]) for c, i in zip(clients, infos) if str(i["weight_version"]) != str(version)]
     if bad:
         raise RuntimeError(f"weight sync to version {version} not confirmed by {bad}")
 
 
-class WeightTransport:
-    clients: list[EngineClient]
+class BaseTransport:
+    clients: list[InferenceClient]
     buckets: list[list[int]]
 
     async def setup(self) -> None:
         return None
 
-    def begin(self, version: int) -> tuple[list, float]:
+    def begin(self, version: int):
         raise NotImplementedError
 
-    async def deliver(self, version: int, begun: tuple[list, float]) -> dict[str, float]:
+    async def deliver(self, version: int, begun) -> dict[str, float]:
         raise NotImplementedError
 
     async def finish(self, version: int, t0: float, sent: float) -> dict[str, float]:
@@ -41,5 +42,4 @@ class WeightTransport:
         return await self.deliver(version, self.begin(version))
 
     async def aclose(self) -> None:
-        for c in self.clients:
-            await c.aclose()
+        return None

@@ -1,0 +1,75 @@
+"""JSON over HTTP for LoongSage's servers (engine routes, weight routes): strict request models,
+bodies read with a size limit, one clear 4xx message per client error, responses serialised once.
+(Protocol *contents* live with their owners: engine/schema.py, each transfer route, the gateway.)"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class RequestError(ValueError):
+    """A client error: answered with HTTP 400 and this message."""
+
+
+class Strict(BaseModel):
+    """Request models reject unknown fields: a request is never silently misread."""
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body if body is not None else {})
+    except ValidationError as exc:
+        raise RequestError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in ((prefix,) if prefix else ()) + tuple(err["loc"]))
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{loc}: unknown field")
+        elif err["type"] == "missing":
+            parts.append(f"{loc}: required field is missing")
+        else:
+            parts.append(f"{loc}: {err['msg']} (got {err.get('input')!r})")
+    return "; ".join(parts)
+
+
+async def body_of(request: Request, limit: int = MAX_BODY_BYTES) -> Any:
+    """The request's JSON ({} for an empty body); bodies over `limit` are refused before they are
+    read in full (by their declared length, else while streaming)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestError(f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        return {}
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RequestError(f"malformed JSON: {exc}") from None
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+
+def json_response(obj) -> Response:
+    """Already-JSON data straight to bytes: FastAPI's jsonable_encoder walks every element in Python
+    first, which on a batch's logprobs cost the HTTP thread more than the step thread's forward, and
+    with one core and one GIL every such millisecond stalls generation."""
+    return Response(json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
+                    media_type="application/json")

@@ -1,0 +1,102 @@
+"""The CLI and config surface, frozen: every subcommand's flags and every config key's type and
+default, compared with a checked-in snapshot. A change to the surface must update the snapshot on
+purpose (and the docs with it):
+
+    LOONGSAGE_UPDATE_SURFACE=1 .venv/bin/python -m pytest tests/test_surface.py
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import re
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from loongsage.cli import build_parser
+from loongsage.config import RunConfig
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "surface.txt"
+
+
+def _cli_lines(parser: argparse.ArgumentParser, prefix: str) -> list[str]:
+    lines = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in sorted(action.choices.items()):
+                lines += _cli_lines(sub, f"{prefix} {name}")
+        elif not isinstance(action, argparse._HelpAction):
+            flags = "/".join(action.option_strings) or action.dest
+            default = "" if action.default in (None, argparse.SUPPRESS) else f" = {action.default!r}"
+            lines.append(f"{prefix}: {flags}{' (required)' if action.required else ''}{default}")
+    return lines
+
+
+def _type_name(annotation) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return re.sub(r"Annotated\[str, (plugin\(\w+\)), AfterValidator\(func=<function [^)]+>\)\]", r"\1", text)
+
+
+def _config_lines(model: type[BaseModel], prefix: str) -> list[str]:
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        inner = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines += _config_lines(annotation, f"{prefix}{name}.")
+        else:
+            default = field.default_factory() if field.default_factory else field.default
+            kind = next((repr(m) for m in field.metadata if type(m).__name__ == "PluginKind"), None)
+            lines.append(f"{prefix}{name}: {kind or _type_name(annotation)} = {default!r}")
+            for sub in inner:
+                lines += _config_lines(sub, f"{prefix}{name}[].")
+    return lines
+
+
+def surface() -> str:
+    return "\n".join(["# CLI"] + _cli_lines(build_parser(), "loongsage") + ["", "# config"]
+                     + _config_lines(RunConfig, "")) + "\n"
+
+
+def test_cli_and_config_surface_match_the_snapshot():
+    now = surface()
+    if os.environ.get("LOONGSAGE_UPDATE_SURFACE"):
+        SNAPSHOT.write_text(now)
+    frozen = SNAPSHOT.read_text()
+    diff = "".join(difflib.unified_diff(frozen.splitlines(True), now.splitlines(True), "snapshot", "code"))
+    assert now == frozen, ("the CLI or config surface changed; if on purpose, update the snapshot "
+                           f"(LOONGSAGE_UPDATE_SURFACE=1) and the docs:\n{diff}")
+
+
+def test_importing_the_config_pulls_in_neither_torch_nor_transformers():
+    code = ("import sys, loongsage.config, loongsage.cli; loongsage.cli.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'ray', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_package_import_graph_is_acyclic():
+    """Every import between LoongSage's packages and top-level modules (run-time or not) points
+    one way: no two of them depend on each other, directly or through others."""
+    import ast
+
+    root = Path(__file__).parents[1] / "loongsage"
+    edges: dict[str, set[str]] = {}
+    for f in root.rglob("*.py"):
+        src = f.relative_to(root).parts[0].removesuffix(".py")
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "loongsage" and len(parts) > 1 and parts[1] != src:
+                    edges.setdefault(src, set()).add(parts[1])
+
+    def reaches(a: str, b: str, seen: set[str]) -> bool:
+        return any(n == b or (n not in seen and reaches(n, b, seen | {n})) for n in edges.get(a, ()))
+    cycles = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a] if reaches(b, a, {b})})
+    assert not cycles, f"packages that depend on each other: {cycles}"
