@@ -22,7 +22,8 @@ from loongsage.extensions import load_custom
 from loongsage.models.config import ModelConfig
 from loongsage.rollout.config import RolloutConfig, SamplingConfig
 from loongsage.tasks.config import TaskConfig
-from loongsage.trainer.config import TrainerConfig
+from loongsage.teachers.config import TeacherConfig
+from loongsage.trainer.config import SFTConfig, TrainerConfig
 from loongsage.transfer.config import TransferConfig
 
 
@@ -40,23 +41,31 @@ class TrainLoopConfig(BaseModel):
         None, description="pin the controller process to these cores once the actors are up (Linux)")
 
 
-class SFTConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    max_steps: int = Field(1000, ge=1)
-    batch_size: int = Field(128, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.98)
-    warmup_steps: int = Field(50, ge=0)
-    eval_every: int = Field(25, ge=1)
-    dev_size: int = Field(200, ge=1, description="train rows held back to decide when to stop")
-    target_accuracy: float | None = Field(0.3, gt=0, le=1, description="stop once dev accuracy reaches it")
-
-
 class BootstrapConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = False
     cache_dir: str = ".cache/loongsage/base_policies"
     sft: SFTConfig = SFTConfig()
+
+
+class DataSourceConfig(BaseModel):
+    """One data source of a mixed run: its own task (data and reward), agent, sampling, share of every
+    step (`prompts_per_step` groups of `sampling.n`) and teachers (name -> weight, mixed per token)."""
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    task: TaskConfig
+    agent: AgentConfig = AgentConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    prompts_per_step: int = Field(ge=1)
+    teachers: dict[str, float] = Field(default_factory=dict, description="teacher name -> weight (> 0)")
+    eval_size: int | None = Field(None, ge=1, description="held-out rows per evaluation (default: train.eval_size)")
+
+    @model_validator(mode="after")
+    def _weights(self) -> DataSourceConfig:
+        bad = [n for n, w in self.teachers.items() if w <= 0]
+        if bad:
+            raise ValueError(f"teachers: weights must be > 0 (got {bad})")
+        return self
 
 
 class ConfigError(ValueError):
@@ -88,6 +97,11 @@ class RunConfig(BaseModel):
     ray: RayConfig = RayConfig()
     demo: DemoConfig = DemoConfig()
     transfer: TransferConfig = TransferConfig()
+    data_sources: list[DataSourceConfig] = Field(default_factory=list, description="several sources mixed in exact "
+                                                 "proportions; empty: one source from task/agent/sampling")
+    teachers: list[TeacherConfig] = Field(default_factory=list, description="teacher models for distillation")
+    teacher_memory_mb: float | None = Field(None, gt=0, description="resident teacher weights at most this much; "
+                                            "the rest is released and resumed on demand (None: all resident)")
 
     @model_validator(mode="after")
     def _fits_context(self) -> RunConfig:
@@ -96,6 +110,42 @@ class RunConfig(BaseModel):
             raise ValueError(f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) must be below the "
                              f"context length ({ctx})")
         return self
+
+    @model_validator(mode="after")
+    def _sources_and_teachers(self) -> RunConfig:
+        names = [t.name for t in self.teachers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"teachers: names must be unique (got {names})")
+        sources = self.sources()
+        if len({s.name for s in sources}) != len(sources):
+            raise ValueError(f"data_sources: names must be unique (got {[s.name for s in sources]})")
+        parts = self.trainer.data_parallel_size
+        for s in sources:
+            unknown = sorted(set(s.teachers) - set(names))
+            if unknown:
+                raise ValueError(f"data_sources.{s.name}.teachers: unknown teachers {unknown}; declared: {names}")
+            if len(sources) > 1 and (s.prompts_per_step * s.sampling.n) % parts:
+                raise ValueError(f"data_sources.{s.name}: prompts_per_step x sampling.n = "
+                                 f"{s.prompts_per_step * s.sampling.n} samples cannot be split evenly over "
+                                 f"{parts} data-parallel ranks (each rank must get every source in proportion)")
+        opd = self.algo.loss.distill
+        if opd.active and not any(s.teachers for s in sources):
+            raise ValueError("algo.loss.distill is on, but no data source names a teacher")
+        if opd.gkd_coef == 1.0 and any(not s.teachers for s in sources):
+            raise ValueError("algo.loss.distill.gkd_coef = 1 (pure distillation) needs a teacher on every data source: "
+                             f"{[s.name for s in sources if not s.teachers]} have none")
+        if self.teachers and not opd.active:
+            raise ValueError("teachers are declared but algo.loss.distill is off (set pg_coef or gkd_coef)")
+        return self
+
+    def sources(self) -> list[DataSourceConfig]:
+        """The data sources of the run: `data_sources`, or one named `default` from the top-level
+        task, agent, sampling and rollout.prompts_per_step."""
+        if self.data_sources:
+            return list(self.data_sources)
+        return [DataSourceConfig(name="default", task=self.task, agent=self.agent, sampling=self.sampling,
+                                 prompts_per_step=self.rollout.prompts_per_step,
+                                 teachers={t.name: 1.0 for t in self.teachers}, eval_size=self.train.eval_size)]
 
     def resolve_run_dir(self) -> Path:
         if self.run_dir is None:

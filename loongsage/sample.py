@@ -6,6 +6,15 @@ from typing import Any
 
 
 @dataclass
+class TeacherScores:
+    """One teacher's view of a sample's response tokens, from a prefill of exactly those tokens."""
+    logprobs: list[float]  # per response token: the teacher's logprob of the token the student produced
+    top_ids: list[list[int]] | None = None  # per response token: the teacher's top-k token ids (k = the
+    top_logprobs: list[list[float]] | None = None  # vocabulary size for full-vocabulary signals)
+    weight: float = 1.0  # this teacher's share when several teachers score one sample
+
+
+@dataclass
 class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
@@ -20,6 +29,8 @@ class Sample:
     advantage: float = 0.0
     text: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    source: str = "default"  # the data source it came from
+    teacher: dict[str, TeacherScores] = field(default_factory=dict)  # teacher name -> scores (distillation)
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -43,6 +54,7 @@ class Group:
     tag: str = "default"
     failed: int = 0  # rollouts that failed (crash, timeout, aborted)
     stats: dict[str, float] = field(default_factory=dict)  # summed agent counters (turns, tool calls, ...)
+    source: str = "default"  # the data source it came from
 
     @property
     def min_version(self) -> int:

@@ -67,3 +67,12 @@ def tool_model(tmp_path_factory) -> str:
 def tool_engine(tool_model):
     with launch_engine(tool_model, extra_args=["--max-running", "16", "--context-length", "512"]) as ep:
         yield ep
+
+
+@pytest.fixture(scope="session")
+def calc_caches(tmp_path_factory):
+    """Bootstrap, model and data caches shared by every run on the calculator task in this session:
+    the agent recipes' bootstrap (SFT on tool demonstrations) is built once, by whichever test needs
+    it first."""
+    root = tmp_path_factory.mktemp("calc-caches")
+    return root, {"bootstrap": root / "base", "models": root / "models", "data": root / "data"}

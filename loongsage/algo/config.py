@@ -12,6 +12,40 @@ PolicyLoss = plugin("policy_loss", ["ppo"])
 AdvantageEstimator = plugin("advantage", ["grpo", "dr_grpo", "rloo"])
 
 
+class DistillConfig(BaseModel):
+    """On-policy distillation (algo/distill.py): the teachers' per-token divergence from the student
+    shapes the advantage (PG-style, `pg_coef` = lambda) and/or is a loss of its own mixed into the
+    objective (GKD-style, `gkd_coef` = g; 1 is pure distillation and needs no task reward)."""
+    model_config = ConfigDict(extra="forbid")
+    pg_coef: float = Field(0.0, ge=0.0, description="lambda in A_t - lambda * d_t")
+    pg_signal: Literal["k1", "topk_kl", "topk_jsd", "full_kl", "full_jsd"] = Field(
+        "k1", description="the divergence that shapes the advantage (k1: signed, sampled token)")
+    gkd_coef: float = Field(0.0, ge=0.0, le=1.0, description="g in (1 - g) * L_RL + g * L_GKD")
+    gkd_signal: Literal["k2", "k3", "topk_kl", "topk_jsd", "full_kl", "full_jsd"] = Field(
+        "k3", description="the divergence minimised as a loss (k1 has a zero-mean gradient on-policy: not offered)")
+    top_k: int = Field(16, ge=1, description="teacher tokens per position for topk_* signals")
+
+    @model_validator(mode="after")
+    def _roles(self) -> DistillConfig:
+        if self.pg_coef > 0 and self.gkd_coef == 1.0:
+            raise ValueError("pg_coef > 0 with gkd_coef = 1: pure distillation has no RL advantage to shape")
+        return self
+
+    @property
+    def active(self) -> bool:
+        return self.pg_coef > 0 or self.gkd_coef > 0
+
+    def signals(self) -> set[str]:
+        return {s for s, c in ((self.pg_signal, self.pg_coef), (self.gkd_signal, self.gkd_coef)) if c > 0}
+
+    @property
+    def needs_top(self) -> str | None:
+        """"topk" or "full" when a support-based signal is in use (the teachers return more than the
+        sampled token's logprob), else None."""
+        kinds = {s.split("_")[0] for s in self.signals() if "_" in s}
+        return "full" if "full" in kinds else ("topk" if kinds else None)
+
+
 class LossConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     clip_low: float = Field(0.2, ge=0.0)
@@ -28,6 +62,7 @@ class LossConfig(BaseModel):
         "ppo", description="ppo: the clipped decoupled objective with IS corrections (algo/losses.py), or module:attr "
                            "of a (PolicyInputs, LossConfig, denominator) -> (loss, metrics)")
     entropy_coef: float = Field(0.0, ge=0.0)
+    distill: DistillConfig = DistillConfig()
 
     @model_validator(mode="after")
     def _bounds(self) -> LossConfig:

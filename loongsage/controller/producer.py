@@ -46,11 +46,13 @@ class BusyClock:
 
 class RolloutProducer:
     def __init__(self, rollout, sampler: PromptSampler, buffer: SampleBuffer, n: int, mask_failures: bool = True,
-                 timeline: Timeline | None = None):
+                 timeline: Timeline | None = None, source: str = "default", after_group=None):
         """`rollout`: an `api.Rollout` (group / cancel); `mask_failures`: a group with a failed
-        sample is not trained (single-turn aborts, or agent.on_failure=mask)."""
+        sample is not trained (single-turn aborts, or agent.on_failure=mask); `source`: the data
+        source its groups are marked with; `after_group`: an async step each finished group goes
+        through before it is buffered (the teachers' scoring), still inside the group's task."""
         self.rollout, self.sampler, self.buffer = rollout, sampler, buffer
-        self.n, self.mask_failures = n, mask_failures
+        self.n, self.mask_failures, self.source, self.after_group = n, mask_failures, source, after_group
         self.busy = BusyClock(timeline)
         self.cancelling: set[int] = set()
         self._tasks: dict[int, asyncio.Task] = {}
@@ -66,18 +68,27 @@ class RolloutProducer:
 
     async def _one(self, seq: int, row) -> None:
         self.busy.start()
+        stopped = False
         try:
             group = await self.rollout.group(row, self.n, seq)
+            group.source = self.source
+            for s in group.samples:
+                s.source = self.source
+            self.busy.stop()
+            stopped = True
+            if self.after_group is not None and seq not in self.cancelling and not (group.failed and self.mask_failures):
+                await self.after_group(group)
         except asyncio.CancelledError:  # cancelled at a weight update (or the run is stopping)
             self.cancelling.discard(seq)
             self.buffer.cancel(seq)
             raise
         except Exception as exc:  # a broken request must not stop the run
-            log.warning("group %d failed: %s", seq, exc)
+            log.warning("group %d of %s failed: %s", seq, self.source, exc)
             self.buffer.fail(seq)
             return
         finally:
-            self.busy.stop()
+            if not stopped:
+                self.busy.stop()
         if seq in self.cancelling:
             self.cancelling.discard(seq)
             self.buffer.cancel(seq)

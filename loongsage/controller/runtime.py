@@ -43,6 +43,7 @@ class Runtime:
     ray_started: bool
     reference: TrainerGroup | None = None  # frozen initial policy, for a KL penalty
     temp_weights_dir: str | None = None  # the disk route's folder when the config names none
+    shm_prefix: str = SHM_PREFIX  # the run's /dev/shm names (its other engines, e.g. teachers, use it too)
 
 
     @classmethod
@@ -90,7 +91,7 @@ class Runtime:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             raise
         router = Router([], clients=[client(u) for u in engines.urls])
-        return cls(trainers, engines, router, sync, started, reference, temp_dir)
+        return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix)
 
     async def close(self) -> None:
         await self.router.aclose()

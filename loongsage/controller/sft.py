@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -41,53 +42,75 @@ def sft_sample(tokenizer, row: TaskRow, spec: TaskSpec | None = None, chat: Chat
     return Sample(ids, target, [1] * n, [0.0] * n, [-1] * n, tag=row.tag)
 
 
-async def run_sft(rt: Runtime, tokenizer, rows: list[TaskRow], dev: list[TaskRow], spec: TaskSpec, cfg,
-                  rollout, chat: ChatTokens, seed: int = 0, console: Console | None = None) -> dict:
-    """`cfg` is an SFTConfig; dev accuracy is the rollout's (the run's agent, greedy). Returns the last
-    dev accuracy, steps and seconds."""
+@dataclass
+class SFTSource:
+    """One data source's part of an SFT run: its rows, dev rows and the rollout that scores them."""
+    name: str
+    rows: list[TaskRow]
+    dev: list[TaskRow]
+    spec: TaskSpec
+    rollout: object = None
+
+
+async def run_sft(rt: Runtime, tokenizer, sources: list[SFTSource], cfg, chat: ChatTokens, seed: int = 0,
+                  console: Console | None = None) -> dict:
+    """`cfg` is an SFTConfig. Batches mix the sources' rows as they are mixed in the data; dev accuracy
+    is each source's rollout's (greedy), averaged over the sources. Returns the last dev accuracy
+    (and per source), steps and seconds."""
     console = console or Console()
     rng = random.Random(seed)
-    samples = [sft_sample(tokenizer, r, spec, chat) for r in rows]
+    samples = [sft_sample(tokenizer, r, src.spec, chat) for src in sources for r in src.rows]
     t0 = time.perf_counter()
-    acc, step = 0.0, 0
+    acc, per_source, step = 0.0, {}, 0
     for step in range(1, cfg.max_steps + 1):
         batch = collate(rng.sample(samples, min(cfg.batch_size, len(samples))), tokenizer.pad_token_id)
         m = await rt.trainers.train_step(batch, "sft", None)
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             await rt.sync.push(step)
-            acc = (await rollout.evaluate(dev))["eval/accuracy"]
-            console.print(f"[sft] step {step}: loss {m['loss/sft']:.3f}, dev accuracy {acc:.3f} "
+            per_source = {src.name: (await src.rollout.evaluate(src.dev))["eval/accuracy"] for src in sources}
+            acc = sum(per_source.values()) / len(per_source)
+            shown = "" if len(per_source) == 1 else " (" + ", ".join(f"{k} {v:.3f}" for k, v in per_source.items()) + ")"
+            console.print(f"[sft] step {step}: loss {m['loss/sft']:.3f}, dev accuracy {acc:.3f}{shown} "
                           f"({time.perf_counter() - t0:.0f}s)")
             if cfg.target_accuracy is not None and acc >= cfg.target_accuracy:
                 break
-    return {"dev_accuracy": acc, "steps": step, "seconds": time.perf_counter() - t0}
+    return {"dev_accuracy": acc, "dev_accuracy_by_source": per_source, "steps": step,
+            "seconds": time.perf_counter() - t0}
 
 
 async def sft_to(cfg, init: Path, out: Path, console: Console) -> dict:
-    """SFT the model at `init` on the run config's task (cfg.bootstrap.sft settings); saves to `out`."""
+    """SFT the model at `init` on the run config's data sources (cfg.bootstrap.sft settings); saves
+    to `out`. Each source holds back `dev_size` rows (split evenly among sources) for dev accuracy."""
     sft = cfg.bootstrap.sft
-    train_rows, _ = prepare_data(cfg.task)
-    if len(train_rows) <= sft.dev_size:
-        raise ValueError(f"bootstrap.sft.dev_size ({sft.dev_size}) leaves no SFT rows of {len(train_rows)}")
-    rows, dev = train_rows[: -sft.dev_size], train_rows[-sft.dev_size:]
+    specs = cfg.sources()
+    dev_size = max(1, sft.dev_size // len(specs))
+    parts = []
+    for src in specs:
+        train_rows, _ = prepare_data(src.task)
+        if len(train_rows) <= dev_size:
+            raise ValueError(f"bootstrap.sft.dev_size ({sft.dev_size}) leaves no SFT rows of {len(train_rows)} "
+                             f"in source {src.name!r}")
+        parts.append(SFTSource(src.name, train_rows[:-dev_size], train_rows[-dev_size:], task_spec(src.task)))
     trainer = TrainerConfig(**{**cfg.trainer.model_dump(), "lr": sft.lr, "betas": sft.betas,
-                               "warmup_steps": sft.warmup_steps, "lr_schedule": "constant", "bf16": False})
+                               "warmup_steps": sft.warmup_steps, "lr_schedule": "constant", "bf16": False,
+                               "threads": sft.threads or cfg.trainer.threads})
     rt = await Runtime.start(str(init), trainer, cfg.engine, cfg.rollout, cfg.ray, transfer=cfg.transfer)
-    rollout = None
     try:
         tok = AutoTokenizer.from_pretrained(init)
-        spec = task_spec(cfg.task)
-        # Dev accuracy of an agent policy is measured with the white-box tool loop, for black-box recipes
-        # too (the same protocol; no process per dev row), so both kinds share one cached base policy.
-        agent = cfg.agent if cfg.agent.kind != "blackbox" else cfg.agent.model_copy(update={"kind": "whitebox"})
-        rollout = make_rollout(RolloutSetup(rt.router, tok, str(init), spec, cfg.sampling.sampling_params(),
-                                            cfg.sampling.max_new_tokens, agent))
-        await rollout.start()
-        result = await run_sft(rt, tok, rows, dev, spec, sft, rollout, ChatTokens(tok, str(init)), cfg.seed, console)
+        for part, src in zip(parts, specs):
+            # Dev accuracy of an agent policy is measured with the white-box tool loop, for black-box recipes
+            # too (the same protocol; no process per dev row), so both kinds share one cached base policy.
+            agent = src.agent if src.agent.kind != "blackbox" else src.agent.model_copy(update={"kind": "whitebox"})
+            part.rollout = make_rollout(RolloutSetup(rt.router, tok, str(init), part.spec,
+                                                     src.sampling.sampling_params(), src.sampling.max_new_tokens,
+                                                     agent))
+            await part.rollout.start()
+        result = await run_sft(rt, tok, parts, sft, ChatTokens(tok, str(init)), cfg.seed, console)
         await rt.trainers.save(str(out))
     finally:
-        if rollout is not None:
-            await rollout.stop()
+        for part in parts:
+            if part.rollout is not None:
+                await part.rollout.stop()
         await rt.close()
     (out / "sft.json").write_text(json.dumps(result))
     return result

@@ -25,6 +25,7 @@ the synchronous schedule, by the same code path. Groups found stale anyway are e
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections import Counter, defaultdict
@@ -37,17 +38,15 @@ from transformers import AutoTokenizer
 from loongsage.agentflow.rollouts import make_rollout
 from loongsage.algo import advantages as adv
 from loongsage.algo.config import LossConfig
-from loongsage.buffer import SampleBuffer
 from loongsage.config import RunConfig, dump_config
-from loongsage.controller.bootstrap import ensure_base_policy
-from loongsage.controller.producer import RolloutProducer
+from loongsage.controller.bootstrap import ensure_base_policy, teacher_models
 from loongsage.controller.runtime import Runtime
-from loongsage.controller.sampler import PromptSampler
+from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
 from loongsage.metrics import MetricsWriter
 from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
 from loongsage.tasks.base import task_spec
-from loongsage.tasks.prepare import prepare_data
+from loongsage.teachers.launch import start_teachers, stop_teachers
 from loongsage.timeline import Timeline
 from loongsage.trainer.batch import collate
 
@@ -57,47 +56,49 @@ async def train(cfg: RunConfig) -> dict:
     run_dir = cfg.resolve_run_dir()
     dump_config(cfg, run_dir / "config.yaml")
     base = await ensure_base_policy(cfg, console)
-    t_start = time.perf_counter()  # wall clock from here includes start-up (Ray, engines), not the bootstrap
-    train_rows, eval_rows = prepare_data(cfg.task)
-    eval_rows = eval_rows[: cfg.train.eval_size or len(eval_rows)]
-    spec, tok = task_spec(cfg.task), AutoTokenizer.from_pretrained(base)
+    teacher_dirs = await teacher_models(cfg, str(base), console) if cfg.teachers else []
+    t_start = time.perf_counter()  # wall clock from here includes start-up (Ray, engines), not the bootstraps
+    tok = AutoTokenizer.from_pretrained(base)
     rt = await Runtime.start(str(base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
                              with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer)
     metrics = MetricsWriter(run_dir)
-    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if cfg.train.controller_cpu_affinity and cores is not None:  # after start-up: Ray's processes keep all cores
-        os.sched_setaffinity(0, cfg.train.controller_cpu_affinity)
-    buffer = sample_buffer(cfg.rollout)
     timeline = Timeline()
-    rollout = make_rollout(RolloutSetup(rt.router, tok, str(base), spec, cfg.sampling.sampling_params(),
-                                        cfg.sampling.max_new_tokens, cfg.agent))
-    producer = RolloutProducer(rollout, PromptSampler(train_rows, cfg.seed), buffer, cfg.sampling.n,
-                               cfg.agent.kind == "single_turn" or cfg.agent.on_failure == "mask", timeline)
-    keep = group_filter(cfg)
-    summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
-    producing = pending = upcoming = None
+    teachers = sources = None
+    producing: list[asyncio.Task] = []
+    pending = upcoming = None
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
-        await rollout.start()
+        if cfg.teachers:  # teachers score each group as it completes, inside the producers' tasks
+            teachers = await start_teachers(cfg, teacher_dirs, str(base), rt.shm_prefix, rt.trainers, timeline)
+        if cfg.train.controller_cpu_affinity and cores is not None:  # after start-up: Ray's processes keep all cores
+            os.sched_setaffinity(0, cfg.train.controller_cpu_affinity)
+        score = (lambda group, src: teachers.score_group(group, src.teachers)) if teachers else None
+        sources = start_sources(cfg, rt.router, tok, str(base), timeline, after_group=score)
+        keep = group_filter(cfg)
+        batch_spec = (tok.pad_token_id, [t.name for t in cfg.teachers], teachers.top_k if teachers else 0)
+        summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
+        for src in sources:
+            await src.rollout.start()
         t_eval = time.perf_counter()
-        first = await rollout.evaluate(eval_rows, cfg.train.eval_temperature)
+        first = await evaluate_sources(sources, cfg.train.eval_temperature)
         metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
                        "time/elapsed_s": time.perf_counter() - t_start})
         summary["eval_before"] = first["eval/accuracy"]
         console.print(f"held-out accuracy before training: {first['eval/accuracy']:.3f}")
-        producing = asyncio.create_task(producer.run())
-        clock = _Clock(producer, t_start)
+        producing = [asyncio.create_task(src.producer.run()) for src in sources]
+        clock = _Clock([src.producer.busy for src in sources], t_start, teachers)
         # `pending`: (record, weight-update task) of the step whose weights are in flight
         with _progress(console) as bar:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0)
-            upcoming = asyncio.create_task(_next_batch(1, cfg, tok, buffer, keep, timeline))
+            upcoming = asyncio.create_task(_next_batch(1, cfg, sources, keep, batch_spec, timeline))
             for step in range(1, cfg.train.steps + 1):
                 training = asyncio.create_task(_train(step, cfg, rt, await upcoming, timeline))  # overlaps `pending`
                 if step < cfg.train.steps:  # batch step + 1 is taken and collated while this step trains
-                    upcoming = asyncio.create_task(_next_batch(step + 1, cfg, tok, buffer, keep, timeline))
+                    upcoming = asyncio.create_task(_next_batch(step + 1, cfg, sources, keep, batch_spec, timeline))
                 record = await training
                 if pending is not None:
                     _finish(await _delivered(pending), clock, metrics, bar, task)
-                pending = (record, _start_weight_update(step, cfg, rt, producer, buffer, timeline))
+                pending = (record, _start_weight_update(step, cfg, rt, sources, teachers, timeline))
                 evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.steps
                 out_of_time = cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
                 if evaluate_now or out_of_time or (cfg.train.save_every and step % cfg.train.save_every == 0):
@@ -105,7 +106,7 @@ async def train(cfg: RunConfig) -> dict:
                     if evaluate_now:
                         t_eval = time.perf_counter()
                         with timeline.span("eval", f"eval {step}"):
-                            record.update(await rollout.evaluate(eval_rows, cfg.train.eval_temperature))
+                            record.update(await evaluate_sources(sources, cfg.train.eval_temperature))
                         record["time/eval_s"] = time.perf_counter() - t_eval
                     _finish(record, clock, metrics, bar, task)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
@@ -117,14 +118,15 @@ async def train(cfg: RunConfig) -> dict:
                     console.print(f"stopping: held-out accuracy {record['eval/accuracy']:.3f} reached "
                                   f"train.target_accuracy={cfg.train.target_accuracy} at step {step}")
                     break
-        producing.cancel()
-        await producer.stop()  # the engines are free for the final evaluation
-        producing = None
+        await _stop_producers(producing, sources)  # the engines are free for the final evaluation
+        producing = []
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
-            record = {"step": step, "version": step, **await rollout.evaluate(eval_rows, cfg.train.eval_temperature)}
+            record = {"step": step, "version": step, **await evaluate_sources(sources, cfg.train.eval_temperature)}
             metrics.write(record)
         await rt.trainers.save(str(run_dir / "checkpoints" / "final"))
         summary.update(eval_after=record["eval/accuracy"], steps=step, train_seconds=time.perf_counter() - t_start)
+        summary["sources"] = await source_summary(cfg, sources, first, record, teachers, tok, teacher_dirs)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         console.print(f"held-out accuracy: {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} "
                       f"after {step} steps ({summary['train_seconds']:.0f}s); run dir {run_dir}")
     finally:
@@ -132,26 +134,47 @@ async def train(cfg: RunConfig) -> dict:
             upcoming.cancel()
         if pending is not None:
             pending[1].cancel()
-        if producing is not None:
-            producing.cancel()
-            await producer.stop()
+        await _stop_producers(producing, sources or [])
         timeline.save(run_dir / "timeline.json")
         metrics.close()
-        await rollout.stop()
+        for src in sources or []:
+            await src.rollout.stop()
+        if teachers is not None:
+            await stop_teachers(teachers)
         await rt.close()
         if cfg.train.controller_cpu_affinity and cores is not None:
             os.sched_setaffinity(0, cores)
     return summary
 
 
-def sample_buffer(ro) -> SampleBuffer:
-    """The run's buffer with its window strategy (`rollout.window`: a built-in name or module:attr)."""
-    from loongsage.extensions import resolve
-    from loongsage.window import STRATEGIES
+async def _stop_producers(producing: list[asyncio.Task], sources) -> None:
+    for t in producing:
+        t.cancel()
+    for src in sources:
+        await src.producer.stop()
 
-    strategy = STRATEGIES.get(ro.window) or resolve(ro.window, "window")
-    return SampleBuffer(ro.max_staleness, ro.prompts_per_step,
-                        ro.max_inflight_groups or (ro.max_staleness + 1) * ro.prompts_per_step, strategy())
+
+async def source_summary(cfg: RunConfig, sources, first: dict, last: dict, teachers, tok, teacher_dirs) -> dict:
+    """Per source: held-out accuracy before and after, and each of its teachers' on the same rows
+    with the same decoding (the teacher served through the source's own rollout kind)."""
+    key = (lambda n: "eval/accuracy") if len(sources) == 1 else (lambda n: f"eval/{n}/accuracy")
+    out = {}
+    dirs = {t.name: d for t, d in zip(cfg.teachers, teacher_dirs)}
+    for src in sources:
+        entry = {"eval_before": first[key(src.name)], "eval_after": last[key(src.name)]}
+        for name in src.cfg.teachers:
+            await teachers.ensure_resident(name)
+            rollout = make_rollout(RolloutSetup(teachers.teachers[name].router, tok, dirs[name],
+                                                task_spec(src.cfg.task), src.cfg.sampling.sampling_params(),
+                                                src.cfg.sampling.max_new_tokens, src.cfg.agent))
+            await rollout.start()
+            try:
+                entry.setdefault("teacher_accuracy", {})[name] = \
+                    (await rollout.evaluate(src.eval_rows, cfg.train.eval_temperature))["eval/accuracy"]
+            finally:
+                await rollout.stop()
+        out[src.name] = entry
+    return out
 
 
 def group_filter(cfg: RunConfig):
@@ -168,12 +191,13 @@ def group_filter(cfg: RunConfig):
     return keep
 
 
-async def _next_batch(step: int, cfg: RunConfig, tok, buffer: SampleBuffer, keep, timeline: Timeline
+async def _next_batch(step: int, cfg: RunConfig, sources, keep, batch_spec, timeline: Timeline
                       ) -> tuple[dict, object, list[Sample]]:
-    """Batch `step`, taken from the buffer and collated (while the previous step trains)."""
+    """Batch `step`: each source's share taken from its buffer, ordered so that every data-parallel
+    shard gets every source in proportion, and collated (while the previous step trains)."""
     with timeline.span("controller: wait for batch", f"batch {step}"):
-        groups, sampled, dropped = await _take_batch(step, cfg, buffer, keep)
-    samples = [s for g in groups for s in g.samples]
+        groups, sampled, dropped = await _take_batch(step, cfg, sources, keep)
+    samples = stratify([s for g in groups for s in g.samples], cfg.trainer.data_parallel_size)
     if samples and not has_learning_signal(samples, cfg.algo.loss):
         samples = []
     record: dict = {"step": step, "version": step, "samples/trained": len(samples),
@@ -181,7 +205,9 @@ async def _next_batch(step: int, cfg: RunConfig, tok, buffer: SampleBuffer, keep
                     "train/skipped_no_signal": float(not samples)}
     record.update(_reward_metrics(sampled))
     record.update(_agent_metrics(sampled))
-    return record, (collate(samples, tok.pad_token_id) if samples else None), samples
+    record.update(source_metrics([src.name for src in sources], sampled, samples))
+    pad, teachers, top_k = batch_spec
+    return record, (collate(samples, pad, teachers, top_k) if samples else None), samples
 
 
 def has_learning_signal(samples: list[Sample], loss: LossConfig) -> bool:
@@ -189,7 +215,8 @@ def has_learning_signal(samples: list[Sample], loss: LossConfig) -> bool:
     entropy term. Without one the step is skipped: the gradient would be zero, yet Adam's momentum
     alone would keep pushing the weights the way the last batches did (on a sparse-reward task that
     drift can erase the behaviour that earns rewards before any reward arrives to stop it)."""
-    return loss.kl_coef > 0 or loss.entropy_coef > 0 or any(s.advantage != 0.0 for s in samples)
+    return (loss.kl_coef > 0 or loss.entropy_coef > 0 or loss.distill.active
+            or any(s.advantage != 0.0 for s in samples))
 
 
 async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, object, list[Sample]],
@@ -217,32 +244,37 @@ def _finish(record: dict, clock: _Clock, metrics: MetricsWriter, bar: Progress, 
     bar.update(task, advance=1, reward=record["reward/mean"], rate=record["samples/trained"] / record["time/step_s"])
 
 
-async def _take_batch(step, cfg: RunConfig, buffer: SampleBuffer, keep):
-    """B groups in the window worth training (`keep`); stale ones are evicted, the rest discarded and
-    replaced, up to a per-step cap; then their advantages."""
-    want = cfg.rollout.prompts_per_step
-    taken = await buffer.take(step, want, cfg.rollout.max_sampling_rounds * want, keep)
-    if taken.groups:
-        advantages = adv.compute(cfg.algo.advantage, torch.tensor([g.rewards for g in taken.groups]))
-        for g, a in zip(taken.groups, advantages):
+async def _take_batch(step, cfg: RunConfig, sources, keep):
+    """Each source's `prompts_per_step` groups in the window worth training (`keep`); stale ones are
+    evicted, the rest discarded and replaced, up to a per-step cap; then their advantages."""
+    rounds = cfg.rollout.max_sampling_rounds
+    taken = await asyncio.gather(*[src.buffer.take(step, src.cfg.prompts_per_step, rounds * src.cfg.prompts_per_step,
+                                                   keep) for src in sources])
+    groups = [g for t in taken for g in t.groups]
+    if groups:
+        advantages = adv.compute(cfg.algo.advantage, torch.tensor([g.rewards for g in groups]))
+        for g, a in zip(groups, advantages):
             g.assign_advantages(a.tolist())
-    return taken.groups, taken.sampled, taken.dropped_samples
+    return groups, [g for t in taken for g in t.sampled], sum(t.dropped_samples for t in taken)
 
 
-def _start_weight_update(step, cfg: RunConfig, rt: Runtime, producer: RolloutProducer, buffer: SampleBuffer,
-                         timeline: Timeline) -> asyncio.Task:
+def _start_weight_update(step, cfg: RunConfig, rt: Runtime, sources, teachers, timeline: Timeline) -> asyncio.Task:
     """Version `step` to the engines: the trainer side is submitted now (ordered before the next
     train step, which then overlaps the transfer); the returned task feeds the engines (held by
-    the pause mode), confirms the version, advances the window and cancels in-flight groups that can
-    no longer be trained in time."""
+    the pause mode), confirms the version, advances every source's window and cancels in-flight
+    groups that can no longer be trained in time; teachers that follow the student get it when due."""
     begun = rt.sync.begin(step)
 
     async def deliver() -> dict:
         with timeline.span("weight sync", f"sync v{step}"):
             out = await rt.sync.deliver(step, begun)  # receivers held (pause mode) and confirmed by the mesh
-        buffer.advance()
-        cancelled = await producer.cancel_too_old()
-        out["samples/cancelled"] = cancelled * cfg.sampling.n
+        cancelled = 0
+        for src in sources:
+            src.buffer.advance()
+            cancelled += await src.producer.cancel_too_old() * src.cfg.sampling.n
+        out["samples/cancelled"] = cancelled
+        if teachers is not None:
+            out.update(await teachers.follow_student(step))
         return out
 
     return asyncio.create_task(deliver())
@@ -255,20 +287,25 @@ async def _delivered(pending: tuple[dict, asyncio.Task]) -> dict:
 
 
 class _Clock:
-    """Per-step wall time (between two finished steps) and the busy fractions of generation and
-    training within it."""
+    """Per-step wall time (between two finished steps), the busy fractions of generation and
+    training within it, and the teachers' metrics."""
 
-    def __init__(self, producer: RolloutProducer, t_start: float):
-        self.producer, self.t_start = producer, t_start
-        self._t, self._gen = time.perf_counter(), producer.busy.now()
+    def __init__(self, busy: list, t_start: float, teachers=None):
+        self.busy, self.t_start, self.teachers = busy, t_start, teachers
+        self._t, self._gen = time.perf_counter(), self._generating()
+
+    def _generating(self) -> float:
+        return max(b.now() for b in self.busy)  # sources generate concurrently: the busiest one
 
     def lap(self, train_s: float) -> dict[str, float]:
-        now, gen = time.perf_counter(), self.producer.busy.now()
+        now, gen = time.perf_counter(), self._generating()
         total = max(now - self._t, 1e-9)
         out = {"time/step_s": total, "time/generate_s": gen - self._gen,
                "time/generate_busy_frac": min(1.0, (gen - self._gen) / total),
                "time/train_busy_frac": min(1.0, train_s / total), "time/elapsed_s": now - self.t_start}
         self._t, self._gen = now, gen
+        if self.teachers is not None:
+            out.update(self.teachers.metrics())
         return out
 
 

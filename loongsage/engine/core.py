@@ -57,6 +57,7 @@ class EngineCore:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.runner = ModelRunner(model_path, dtype, device, max_running, context_length)
         self.eos_ids = _eos_ids(self.runner.model, self.tokenizer)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.named_parameters().values())
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = int(weight_version)
@@ -238,10 +239,16 @@ class EngineCore:
         result = sample(logits[sample_rows], params, [s.generator for s in self.running], top_n)
         version = self.weight_version
         finished = []
+        generated = 0
         for i, seq in enumerate(self.running):
             if seq.req.rid in prompt_rows:
                 self._record_prompt_logprobs(seq, logits, *prompt_rows[seq.req.rid])
             seq.kv_len = seq.num_tokens
+            if seq.req.params.max_new_tokens == 0:  # prefill only (scoring given tokens): nothing sampled
+                seq.finish = Finish(FinishKind.LENGTH, length=0)
+                finished.append(seq)
+                continue
+            generated += 1
             tok = int(result.tokens[i])
             seq.output_ids.append(tok)
             seq.output_logprobs.append(float(result.logprobs[i]))
@@ -254,7 +261,7 @@ class EngineCore:
                 finished.append(seq)
             elif seq.req.stream:
                 self._notify(seq)
-        self.stats.generated_tokens += len(self.running)
+        self.stats.generated_tokens += generated
         for seq in sorted(finished, key=lambda s: -s.slot):
             self._remove(seq, keep_cache=True)
             self._notify(seq)

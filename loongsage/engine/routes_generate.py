@@ -108,11 +108,12 @@ def _expand(req: S.GenerateRequest, core: EngineCore) -> tuple[list[SeqRequest],
         bad = next((t for t in ids if not 0 <= t < core.vocab_size), None)
         if bad is not None:
             raise S.RequestError(f"{where}: token id {bad} is outside the vocabulary [0, {core.vocab_size})")
-        if len(ids) >= core.context_length:
-            raise S.RequestError(f"{where}: prompt of {len(ids)} tokens does not fit the context length "
-                                 f"{core.context_length} (at least one token must be generated)")
         sp_in = S.parse_sampling(_per_item(raw_sp, i, count, "sampling_params") if raw_sp else None,
                                  i if isinstance(raw_sp, list) else None)
+        scoring = sp_in.max_new_tokens == 0  # prefill only: the whole prompt may fill the context
+        if len(ids) > core.context_length or (len(ids) == core.context_length and not scoring):
+            raise S.RequestError(f"{where}: prompt of {len(ids)} tokens does not fit the context length "
+                                 f"{core.context_length}" + ("" if scoring else " (at least one token must be generated)"))
         try:
             params = sp_in.to_params()
         except ValueError as exc:

@@ -33,6 +33,7 @@ def info_routes(core: EngineCore, served_model_name: str | None = None) -> APIRo
             "vocab_size": core.vocab_size, "dtype": str(core.runner.dtype).removeprefix("torch."),
             "max_running_requests": core.max_running, "paused": core.paused,
             "memory_released": core.memory_released, "eos_token_ids": sorted(core.eos_ids),
+            "weight_bytes": core.weight_bytes,  # LoongSage extension: what the served weights occupy
         }
 
     @router.get("/get_server_info")

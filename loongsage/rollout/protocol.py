@@ -20,6 +20,7 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int
     weight_version: int
+    input_top: list[list[tuple[float, int]] | None] | None = None  # per input position: top (logprob, id)
 
     @property
     def finish_type(self) -> str:
@@ -60,6 +61,7 @@ def parse_generate(obj: dict[str, Any]) -> GenerateOutput:
     meta = obj.get("meta_info", {})
     out_lp = meta.get("output_token_logprobs")
     in_lp = meta.get("input_token_logprobs")
+    in_top = meta.get("input_top_logprobs")
     return GenerateOutput(
         rid=meta.get("id", ""),
         output_ids=list(obj.get("output_ids", [])),
@@ -71,6 +73,7 @@ def parse_generate(obj: dict[str, Any]) -> GenerateOutput:
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         weight_version=parse_version(meta.get("weight_version")),
+        input_top=None if in_top is None else [None if p is None else [(t[0], t[1]) for t in p] for p in in_top],
     )
 
 
@@ -83,6 +86,14 @@ def parse_version(value: Any) -> int:
     if text.lstrip("-").isdigit():
         return int(text)
     raise ValueError(f"weight_version {value!r} is not an integer version (start SGLang with --weight-version N)")
+
+
+def build_score(input_ids: list[int], start: int, top_k: int = 0, rid: str | None = None) -> dict[str, Any]:
+    """A prefill-only request scoring the given tokens from position `start` on (a teacher's view of
+    a student's response): no token is sampled; `input_token_logprobs` holds the logprob of each
+    token from `start` given the ones before, `input_top_logprobs` the top-k of each position."""
+    return build_generate(input_ids, {"max_new_tokens": 0, "temperature": 1.0}, return_logprob=True,
+                          logprob_start_len=start, top_logprobs_num=top_k, rid=rid)
 
 
 def build_update_from_distributed(

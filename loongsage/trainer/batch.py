@@ -22,6 +22,11 @@ class TrainBatch:
     advantages: torch.Tensor  # [B, L-1]
     proximal_logprobs: torch.Tensor | None = None  # [B, L-1], filled by the trainer
     ref_logprobs: torch.Tensor | None = None
+    # distillation (algo/distill.py): M teachers, each sample's share of them, and what they scored
+    teacher_logprobs: torch.Tensor | None = None  # [B, L-1, M]: of the sampled token
+    teacher_top_ids: torch.Tensor | None = None  # [B, L-1, M, K] long
+    teacher_top_logprobs: torch.Tensor | None = None  # [B, L-1, M, K]
+    teacher_weights: torch.Tensor | None = None  # [B, M]; 0 where a teacher did not score the sample
 
     @property
     def size(self) -> int:
@@ -54,9 +59,11 @@ class TrainBatch:
 
     def trim(self, length: int) -> TrainBatch:
         """The first `length` positions (the rest is padding of every row)."""
-        return TrainBatch(**{f.name: (None if getattr(self, f.name) is None else
-                                      getattr(self, f.name)[:, : length if f.name in _FULL_LENGTH else length - 1])
-                             for f in fields(self)})
+        def cut(name: str, t: torch.Tensor | None):
+            if t is None or name in _PER_ROW:
+                return t
+            return t[:, : length if name in _FULL_LENGTH else length - 1]
+        return TrainBatch(**{f.name: cut(f.name, getattr(self, f.name)) for f in fields(self)})
 
     def micro_batches(self, size: int) -> list[tuple[list[int], TrainBatch]]:
         """(row indices, micro-batch) with rows sorted by length and each micro-batch trimmed to its
@@ -72,10 +79,14 @@ class TrainBatch:
         return out
 
 
-_FULL_LENGTH = {"input_ids", "attention_mask"}  # [B, L]; the other tensors are [B, L-1]
+_FULL_LENGTH = {"input_ids", "attention_mask"}  # [B, L]; the other tensors are [B, L-1, ...]
+_PER_ROW = {"teacher_weights"}  # [B, M]: not along the sequence
 
 
-def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
+def collate(samples: list[Sample], pad_id: int, teachers: list[str] | None = None, top_k: int = 0) -> TrainBatch:
+    """`teachers`: the distillation teachers' names (their scores, `Sample.teacher`, become the
+    teacher tensors); `top_k`: how many top tokens per position each teacher returned (0: only the
+    sampled token's logprob)."""
     L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     B = len(samples)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -92,4 +103,34 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
             loss_mask[i, lo:hi] = torch.tensor(s.loss_mask, dtype=torch.float32)
             behavior[i, lo:hi] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
             adv[i, lo:hi] = s.advantage
-    return TrainBatch(input_ids, attention, loss_mask, behavior, adv)
+    batch = TrainBatch(input_ids, attention, loss_mask, behavior, adv)
+    if teachers:
+        _teacher_tensors(batch, samples, teachers, top_k)
+    return batch
+
+
+def _teacher_tensors(batch: TrainBatch, samples: list[Sample], teachers: list[str], top_k: int) -> None:
+    B, T = batch.loss_mask.shape
+    M = len(teachers)
+    batch.teacher_logprobs = torch.zeros((B, T, M))
+    batch.teacher_weights = torch.zeros((B, M))
+    if top_k:
+        batch.teacher_top_ids = torch.zeros((B, T, M, top_k), dtype=torch.long)
+        batch.teacher_top_logprobs = torch.full((B, T, M, top_k), -1e4)  # padding positions: no mass
+    for i, s in enumerate(samples):
+        lo = len(s.prompt_ids) - 1
+        hi = lo + len(s.response_ids)
+        for m, name in enumerate(teachers):
+            scores = s.teacher.get(name)
+            if scores is None or not s.response_ids:
+                continue
+            if len(scores.logprobs) != len(s.response_ids):
+                raise ValueError(f"teacher {name!r} scored {len(scores.logprobs)} of {len(s.response_ids)} tokens")
+            batch.teacher_weights[i, m] = scores.weight
+            batch.teacher_logprobs[i, lo:hi, m] = torch.tensor(scores.logprobs, dtype=torch.float32)
+            if top_k:
+                if scores.top_ids is None or any(len(t) < top_k for t in scores.top_ids):
+                    raise ValueError(f"teacher {name!r} returned fewer than top_k={top_k} tokens per position")
+                batch.teacher_top_ids[i, lo:hi, m] = torch.tensor([t[:top_k] for t in scores.top_ids])
+                batch.teacher_top_logprobs[i, lo:hi, m] = torch.tensor([t[:top_k] for t in scores.top_logprobs],
+                                                                       dtype=torch.float32)

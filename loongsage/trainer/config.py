@@ -47,3 +47,18 @@ class TrainerConfig(BaseModel):
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+
+class SFTConfig(BaseModel):
+    """Supervised fine-tuning to a target competence (bootstraps of base policies and teachers)."""
+    model_config = ConfigDict(extra="forbid")
+    max_steps: int = Field(1000, ge=1)
+    batch_size: int = Field(128, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.98)
+    warmup_steps: int = Field(50, ge=0)
+    eval_every: int = Field(25, ge=1)
+    dev_size: int = Field(200, ge=1, description="train rows held back to decide when to stop")
+    target_accuracy: float | None = Field(0.3, gt=0, le=1, description="stop once dev accuracy reaches it")
+    threads: int | None = Field(None, ge=1, description="torch threads of the trainer ranks while fine-tuning "
+                                "(default: trainer.threads; the engine is mostly idle meanwhile)")

@@ -26,7 +26,7 @@ from loongsage.algo.config import LossConfig
 from loongsage.models.hf_folder import write_hf_folder
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy
+from loongsage.trainer.step import MetricSums, TokenScores, lr_factor, micro_batch_loss, score_tokens, wants_entropy
 
 
 class FSDPBackend:
@@ -51,10 +51,10 @@ class FSDPBackend:
         self.version = 0
 
     # ---- forward ----------------------------------------------------------------------------
-    def _forward(self, mb: TrainBatch, with_entropy: bool):
+    def _forward(self, mb: TrainBatch, with_entropy: bool, with_teacher: bool = False) -> TokenScores:
         ids = mb.input_ids.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device), use_cache=False)
-        return token_logprobs(out.logits[:, :-1], ids[:, 1:], with_entropy)
+        return score_tokens(out.logits[:, :-1], ids[:, 1:], with_entropy, mb.teacher_top_ids if with_teacher else None)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
@@ -62,7 +62,8 @@ class FSDPBackend:
         shape = batch.loss_mask.shape
         lps, ents = torch.zeros(shape), (torch.zeros(shape) if with_entropy else None)
         for idx, mb in batch.micro_batches(self.cfg.micro_batch_size):
-            lp, ent = self._forward(mb, with_entropy)
+            scores = self._forward(mb, with_entropy)
+            lp, ent = scores.logprobs, scores.entropy
             lps[idx, : lp.shape[1]] = lp.float().cpu()
             if with_entropy:
                 ents[idx, : ent.shape[1]] = ent.float().cpu()
@@ -73,8 +74,8 @@ class FSDPBackend:
         self.model.train()
         sums = MetricSums()
         for _, mb in batch.micro_batches(self.cfg.micro_batch_size):
-            lp, ent = self._forward(mb, wants_entropy(loss, loss_cfg))
-            value, metrics = micro_batch_loss(lp, ent, mb, loss, loss_cfg, denominator)
+            scores = self._forward(mb, wants_entropy(loss, loss_cfg), with_teacher=True)
+            value, metrics = micro_batch_loss(scores, mb, loss, loss_cfg, denominator)
             # FSDP averages gradients over ranks; the global denominator already normalises.
             (value * self.world).backward()
             sums.add(metrics, float(mb.loss_mask.sum()))

@@ -33,7 +33,7 @@ from loongsage.trainer.megatron_convert import (
     hf_to_megatron,
     transformer_engine_available,
 )
-from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, token_logprobs, wants_entropy
+from loongsage.trainer.step import MetricSums, lr_factor, micro_batch_loss, score_tokens, wants_entropy
 
 
 def _hf_weights(model_path: str) -> dict[str, torch.Tensor]:
@@ -96,9 +96,9 @@ class MegatronBackend:
             raise RuntimeError(f"Megatron weights of stage {self.stage}: missing {missing}, unexpected {unexpected}")
 
     # ---- forward ----------------------------------------------------------------------------
-    def _schedule(self, batch: TrainBatch, forward_only: bool, on_logprobs) -> None:
-        """Runs every micro-batch through Megatron's schedule; on the last stage `on_logprobs(idx,
-        mb, lp, ent)` turns each micro-batch's token logprobs into (loss, metrics)."""
+    def _schedule(self, batch: TrainBatch, forward_only: bool, on_scores) -> None:
+        """Runs every micro-batch through Megatron's schedule; on the last stage `on_scores(idx, mb,
+        scores)` turns each micro-batch's `TokenScores` into its loss."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -106,8 +106,8 @@ class MegatronBackend:
 
         def loss_func(idx, mb, ids, output):
             logits = gather_from_tensor_model_parallel_region(output)  # full vocabulary, grads split back
-            lp, ent = token_logprobs(logits[:, :-1], ids[:, 1:], self._entropy)
-            value = on_logprobs(idx, mb, lp, ent)
+            scores = score_tokens(logits[:, :-1], ids[:, 1:], self._entropy, None if forward_only else mb.teacher_top_ids)
+            value = on_scores(idx, mb, scores)
             return value, torch.tensor(1, dtype=torch.int), {}
 
         def forward_step(data_iterator, model):
@@ -131,14 +131,15 @@ class MegatronBackend:
         shape = batch.loss_mask.shape
         lps, ents = torch.zeros(shape), (torch.zeros(shape) if with_entropy else None)
 
-        def keep(idx, mb, lp, ent):
+        def keep(idx, mb, scores):
+            lp = scores.logprobs
             lps[idx, : lp.shape[1]] = lp.float().cpu()
             if with_entropy:
-                ents[idx, : ent.shape[1]] = ent.float().cpu()
+                ents[idx, : scores.entropy.shape[1]] = scores.entropy.float().cpu()
             return lp.sum() * 0.0
 
         self._entropy = with_entropy
-        self._schedule(batch, forward_only=True, on_logprobs=keep)
+        self._schedule(batch, forward_only=True, on_scores=keep)
         return lps, ents
 
     # ---- training ---------------------------------------------------------------------------
@@ -150,13 +151,13 @@ class MegatronBackend:
         self.optimizer.zero_grad()
         sums = MetricSums()
 
-        def loss_of(idx, mb, lp, ent):
-            value, metrics = micro_batch_loss(lp, ent, mb, loss, loss_cfg, denominator)
+        def loss_of(idx, mb, scores):
+            value, metrics = micro_batch_loss(scores, mb, loss, loss_cfg, denominator)
             sums.add(metrics, float(mb.loss_mask.sum()))
             return value
 
         self._entropy = wants_entropy(loss, loss_cfg)
-        self._schedule(batch, forward_only=False, on_logprobs=loss_of)
+        self._schedule(batch, forward_only=False, on_scores=loss_of)
         # DP all-reduce (summed: the losses are shares of the global one), plus the grads of replicated
         # params each tensor-parallel rank sees only in part (Qwen3's per-head q/k norms), plus tied
         # embeddings across pipeline stages.

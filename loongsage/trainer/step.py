@@ -4,11 +4,13 @@ reduction over micro-batches and ranks, and the LR schedule."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
+from loongsage.algo import distill
 from loongsage.algo.config import LossConfig
-from loongsage.algo.losses import PolicyInputs, policy_loss, sft_loss
+from loongsage.algo.losses import PolicyInputs, aggregate, policy_loss, sft_loss
 from loongsage.algo.mismatch import train_inference_gap
 from loongsage.extensions import resolve
 from loongsage.trainer.batch import TrainBatch
@@ -30,20 +32,36 @@ def lr_factor(step: int, cfg: TrainerConfig) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool):
+@dataclass
+class TokenScores:
+    """What a forward pass gives the loss: the logprob of each target token, its entropy (when the
+    loss has an entropy term), and the student's logprobs at each teacher's top-k ids (distillation)."""
+    logprobs: torch.Tensor  # [B, T]
+    entropy: torch.Tensor | None = None  # [B, T]
+    at_teacher_top: torch.Tensor | None = None  # [B, T, M, K]
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
+                 teacher_top_ids: torch.Tensor | None = None) -> TokenScores:
     logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return chosen, entropy
+    top = None
+    if teacher_top_ids is not None:
+        ids = teacher_top_ids.to(logp.device)
+        b, t, m, k = ids.shape
+        top = logp.gather(-1, ids.reshape(b, t, m * k)).reshape(b, t, m, k)
+    return TokenScores(chosen, entropy, top)
 
 
 def wants_entropy(loss: str, loss_cfg: LossConfig | None) -> bool:
     return loss == "policy" and loss_cfg is not None and loss_cfg.entropy_coef > 0
 
 
-def micro_batch_loss(lp: torch.Tensor, ent: torch.Tensor | None, mb: TrainBatch, loss: str,
-                     loss_cfg: LossConfig | None, denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
+def micro_batch_loss(scores: TokenScores, mb: TrainBatch, loss: str, loss_cfg: LossConfig | None,
+                     denominator: float) -> tuple[torch.Tensor, dict[str, float]]:
     """The loss of one micro-batch (a share of the global-denominator loss) and its metrics."""
+    lp = scores.logprobs
     device = lp.device
     mask = mb.loss_mask.to(device)
     if loss == "sft":
@@ -53,12 +71,39 @@ def micro_batch_loss(lp: torch.Tensor, ent: torch.Tensor | None, mb: TrainBatch,
     # No recomputed proximal logprobs: this forward runs the pre-update policy (one step per batch).
     proximal = lp.detach() if mb.proximal_logprobs is None else mb.proximal_logprobs.to(device)
     behavior = mb.behavior_logprobs.to(device)
-    x = PolicyInputs(lp, proximal, behavior, mb.advantages.to(device), mask, ent,
-                     None if mb.ref_logprobs is None else mb.ref_logprobs.to(device))
-    loss_fn = policy_loss if loss_cfg.policy_loss == "ppo" else resolve(loss_cfg.policy_loss, "policy_loss")
-    value, metrics = loss_fn(x, loss_cfg, denominator)
+    advantages = mb.advantages.to(device)
+    opd = loss_cfg.distill
+    metrics: dict[str, float] = {}
+    if opd.active and mb.teacher_weights is not None:
+        per_signal = _divergences(opd.signals(), scores, mb, device)
+        if opd.pg_coef > 0:
+            advantages = distill.shaped_advantages(advantages, per_signal[opd.pg_signal], opd.pg_coef)
+        for name, d in per_signal.items():
+            metrics[f"distill/{name}_mean"] = float((d.detach() * mask).sum() / mask.sum().clamp(min=1))
+    value = None
+    if not (opd.active and opd.gkd_coef == 1.0):  # g = 1: pure distillation, no RL term
+        x = PolicyInputs(lp, proximal, behavior, advantages, mask, scores.entropy,
+                         None if mb.ref_logprobs is None else mb.ref_logprobs.to(device))
+        loss_fn = policy_loss if loss_cfg.policy_loss == "ppo" else resolve(loss_cfg.policy_loss, "policy_loss")
+        value, rl_metrics = loss_fn(x, loss_cfg, denominator)
+        metrics.update(rl_metrics)
+    if opd.gkd_coef > 0 and mb.teacher_weights is not None:
+        gkd = aggregate(per_signal[opd.gkd_signal], mask, loss_cfg.aggregation, denominator)
+        metrics["loss/distill"] = float(gkd.detach())
+        value = gkd * opd.gkd_coef if value is None else (1.0 - opd.gkd_coef) * value + opd.gkd_coef * gkd
+    if value is None:
+        raise ValueError("algo.loss.distill.gkd_coef = 1 needs teacher scores in the batch (no teacher scored it)")
     metrics.update(train_inference_gap(behavior, proximal, mask))
     return value, metrics
+
+
+def _divergences(kinds: set[str], scores: TokenScores, mb: TrainBatch, device) -> dict[str, torch.Tensor]:
+    """Per token [B, T]: each signal, mixed over the sample's teachers by their weights."""
+    weights = mb.teacher_weights.to(device)
+    teacher_lp = mb.teacher_logprobs.to(device)
+    teacher_top = None if mb.teacher_top_logprobs is None else mb.teacher_top_logprobs.to(device)
+    return {k: distill.mix(distill.signal(k, scores.logprobs, teacher_lp, scores.at_teacher_top, teacher_top), weights)
+            for k in kinds}
 
 
 class MetricSums:

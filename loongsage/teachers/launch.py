@@ -1,0 +1,95 @@
+"""Bringing teachers up: a check that each speaks the student's tokenizer, their engines as Ray
+actors, the manager, and weight routes to teachers that follow the student. (Their models, given or
+bootstrapped, come from controller/bootstrap.py: teacher_models.)"""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from loongsage.rollout.client import EngineClient
+from loongsage.rollout.config import RolloutConfig
+from loongsage.rollout.engine_group import EngineGroup
+from loongsage.rollout.router import Router
+from loongsage.teachers.manager import Teacher, TeacherManager
+
+
+class TeacherError(ValueError):
+    """A teacher that cannot serve this student (one line naming it)."""
+
+
+def check_tokenizer(student_dir: str, teacher_dir: str, name: str) -> None:
+    """Teachers score the student's exact token ids: their vocabularies must be the same."""
+    student = AutoTokenizer.from_pretrained(student_dir).get_vocab()
+    teacher = AutoTokenizer.from_pretrained(teacher_dir).get_vocab()
+    if student != teacher:
+        only_s = sorted(set(student) - set(teacher))[:3]
+        moved = sorted(k for k in set(student) & set(teacher) if student[k] != teacher[k])[:3]
+        raise TeacherError(f"teacher {name!r} ({teacher_dir}) has a different tokenizer than the student "
+                           f"({len(teacher)} vs {len(student)} tokens; e.g. missing {only_s}, other ids for {moved}): "
+                           "a teacher must score the student's exact token ids")
+
+
+async def start_teachers(cfg, dirs: list[str], student_dir: str, shm_prefix: str, trainers=None,
+                         timeline=None) -> TeacherManager:
+    """Engines for every teacher of `cfg.teachers` (Ray must be up), their manager, and the weight
+    route to teachers that follow the student (from `trainers`)."""
+    groups = await asyncio.gather(*[asyncio.to_thread(
+        EngineGroup, d, t.engine, RolloutConfig(engine=t.kind, num_engines=t.num_engines, engine_threads=t.engine_threads),
+        shm_prefix) for t, d in zip(cfg.teachers, dirs)], return_exceptions=True)
+    failed = [g for g in groups if isinstance(g, BaseException)]
+    if failed:
+        for g in groups:
+            if not isinstance(g, BaseException):
+                g.shutdown()
+        raise failed[0]
+    teachers = []
+    for t, d, g in zip(cfg.teachers, dirs, groups):
+        router = Router([], clients=[EngineClient(u, g.api_key) for u in g.urls])
+        info = await router.clients[0].model_info()
+        size = info.get("weight_bytes") or sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
+        teachers.append(Teacher(t, router, int(size), g))
+    budget = None if cfg.teacher_memory_mb is None else cfg.teacher_memory_mb * 2**20
+    opd = cfg.algo.loss.distill
+    top_k = {"full": _vocab_size(student_dir), "topk": opd.top_k, None: 0}[opd.needs_top]
+    manager = TeacherManager(teachers, budget, top_k, timeline)
+    try:
+        for t in teachers:
+            if t.cfg.follow_student_every:
+                manager.follow[t.name] = await _follow_mesh(cfg, trainers, t)
+        return await manager.start()
+    except BaseException:
+        await stop_teachers(manager)
+        raise
+
+
+async def _follow_mesh(cfg, trainers, teacher: Teacher):
+    """A TransferMesh from the trainer to the engines of a teacher that follows the student."""
+    from loongsage.transfer.config import TransferConfig
+    from loongsage.transfer.mesh import WeightMesh, discover
+    from loongsage.transfer.topology import plan
+
+    if trainers is None:
+        raise TeacherError("teachers that follow the student need the trainer group")
+    clients = [EngineClient(u, teacher.engines.api_key) for u in teacher.engines.urls]
+    routes = plan(*discover(trainers, teacher.engines.actors, TransferConfig()))
+    mesh = WeightMesh(routes, trainers, {f"engine-{i}": c for i, c in enumerate(clients)},
+                      teacher.cfg.engine.dtype, cfg.rollout.weight_bucket_mb,
+                      "nccl" if cfg.trainer.device.startswith("cuda") else "gloo",
+                      extensions=teacher.cfg.kind == "embedded", pause_mode="none")
+    await mesh.setup()
+    return mesh
+
+
+async def stop_teachers(manager: TeacherManager) -> None:
+    await manager.close()
+    for t in manager.teachers.values():
+        if t.engines is not None:
+            t.engines.shutdown()
+
+
+def _vocab_size(model_dir: str) -> int:
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(model_dir).vocab_size)
