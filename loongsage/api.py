@@ -138,9 +138,15 @@ class TrainBackend(Protocol):
                          ) -> tuple[Tensor, Tensor | None]:
         """Per-token logprobs [B, T] of the response tokens (and entropies), no gradient."""
 
-    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float
-                   ) -> dict[str, float]:
-        """One optimizer step over this rank's shard (`loss`: "policy" or "sft"); returns metrics."""
+    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float,
+                   last: bool = True) -> dict[str, float]:
+        """One optimizer step over this rank's shard (`loss`: "policy" or "sft"); returns metrics.
+        `last`: the step's final optimizer step (of its mini-batches): version and LR schedule
+        advance once per run step, after it."""
+
+    def skip_step(self) -> dict[str, float]:
+        """A step that trains nothing: the version and LR schedule advance as if it had, with no
+        optimizer step (momentum alone would move the weights); returns metrics (`train/lr`)."""
 
     def weight_meta(self) -> list[tuple[str, str, list[int]]]:
         """(HF name, dtype, shape) of every exported tensor, in export order."""
@@ -206,7 +212,8 @@ class InferenceClient(Protocol):
         """Close the connection pool."""
 
     # The weight routes call these (SGLang's routes, and LoongSage's extensions on embedded engines):
-    # update_weights_from_disk, update_weights_from_tensor, init_weights_update_group,
+    # update_weight_version (a step that trained nothing), update_weights_from_disk, update_weights_from_tensor,
+    # init_weights_update_group,
     # update_weights_from_distributed, destroy_weights_update_group, map_weights, flip_weights,
     # share_weights, weights_checksum (see rollout/client.py for their arguments).
 

@@ -136,6 +136,10 @@ class RunConfig(BaseModel):
                              f"{[s.name for s in sources if not s.teachers]} have none")
         if self.teachers and not opd.active:
             raise ValueError("teachers are declared but algo.loss.distill is off (set pg_coef or gkd_coef)")
+        tempered = [s.name for s in sources if s.teachers and s.sampling.temperature not in (0.0, 1.0)]
+        if opd.active and tempered:
+            raise ValueError(f"data_sources {tempered}: distillation with a sampling temperature other than 1 is not "
+                             "supported (teachers score at T = 1, the student would be trained at T); sample at 1")
         return self
 
     def sources(self) -> list[DataSourceConfig]:

@@ -3,10 +3,11 @@
 Stable names (DESIGN.md's run-directory contract): step, version, reward/mean, reward/<tag>/mean,
 samples/trained, samples/dropped_stale, samples/cancelled, samples/filtered_groups, staleness/mean, staleness/max,
 mismatch/kl, mismatch/abs_logprob_diff, time/step_s, time/generate_s, time/train_s,
-time/generate_busy_frac, time/train_busy_frac, time/weight_sync_s, loss/*, is/*, train/*,
+time/generate_busy_frac, time/train_busy_frac, time/weight_sync_s, loss/*, is/*, train/*, offpolicy/*,
 and eval/accuracy, eval/<tag>/accuracy on the steps an evaluation ran after (step 0: before training).
-A step that trains nothing (`train/skipped_no_signal` 1) keeps every name, with the mismatch ones null:
-the train-inference gap is measured in the update's forward pass, and there was none.
+`mismatch/*` is the train-inference gap on tokens sampled by the version being trained (null when
+a step trains none: nothing trained, or only older tokens); `offpolicy/*` the drift of older tokens
+(algo/mismatch.py). A step that trains nothing (`train/skipped_no_signal` 1) keeps every name.
 """
 from __future__ import annotations
 

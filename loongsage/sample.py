@@ -31,17 +31,28 @@ class Sample:
     info: dict[str, Any] = field(default_factory=dict)
     source: str = "default"  # the data source it came from
     teacher: dict[str, TeacherScores] = field(default_factory=dict)  # teacher name -> scores (distillation)
+    # per response token: the temperature it was sampled at (None: all 1). The trainer scores each
+    # token under logits / T, the distribution the engine sampled from and recorded logprobs of.
+    temperatures: list[float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
         if not (len(self.loss_mask) == len(self.behavior_logprobs) == len(self.versions) == n):
             raise ValueError(f"sample: response ({n}), loss_mask ({len(self.loss_mask)}), behavior_logprobs "
                              f"({len(self.behavior_logprobs)}) and versions ({len(self.versions)}) must align")
+        if self.temperatures is not None and len(self.temperatures) != n:
+            raise ValueError(f"sample: response ({n}) and temperatures ({len(self.temperatures)}) must align")
 
     @property
     def min_version(self) -> int:
         gen = [v for v, m in zip(self.versions, self.loss_mask) if m]
         return min(gen) if gen else -1
+
+
+def scoring_temperature(temperature: float | None) -> float:
+    """The temperature whose distribution a token's recorded logprob is of: the engine records greedy
+    (T = 0) tokens under the raw logits, i.e. T = 1."""
+    return 1.0 if temperature is None or temperature <= 0.0 else float(temperature)
 
 
 @dataclass

@@ -158,3 +158,17 @@ def test_a_turn_cut_short_gets_the_end_marker_inserted(chat):
     more = [{"role": "user", "content": "go on"}]
     chain.add_inserted(chat.continuation_ids(chain.messages, more, None, None))
     assert chain.ids == chat.prompt_ids(prompt + [{"role": "assistant", "content": "Hello the"}] + more)
+
+
+def test_a_chain_carries_each_model_turns_temperature_into_its_sample():
+    """Model turns keep the temperature they were sampled at (the trainer scores them under it);
+    inserted tokens are 1; a chain sampled at T = 1 throughout carries none."""
+    chain = Chain([1, 2])
+    chain.add_model_turn([3, 4], [-0.1, -0.2], [0, 0], temperature=0.7)
+    chain.add_inserted([5])
+    chain.add_model_turn([6], [-0.3], [1], temperature=0.7)
+    plain = Chain([1, 2])
+    plain.add_model_turn([3], [-0.1], [0])
+    sample, plain_sample = Trajectory([chain, plain]).to_samples(group=0, rollout=0, tag="t")
+    assert sample.temperatures == [0.7, 0.7, 1.0, 0.7]
+    assert plain_sample.temperatures is None

@@ -108,3 +108,33 @@ def test_kl_and_entropy_terms_and_sft():
 def test_mis_bounds_are_validated():
     with pytest.raises(ValueError, match="is_low"):
         LossConfig(is_mode="mis", is_low=3.0, is_cap=2.0)
+
+
+def test_gap_and_drift_split_tokens_by_version_lag():
+    """The gap is measured on the trained version's own tokens only; older tokens report drift per lag."""
+    from loongsage.algo.mismatch import gap_and_drift
+
+    behavior = torch.tensor([[-1.0, -2.0, -3.0, -4.0]])
+    trainer = torch.tensor([[-1.0, -2.5, -2.0, -4.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    lag = torch.tensor([[0.0, 1.0, 2.0, 0.0]])
+    m = gap_and_drift(behavior, trainer, mask, lag)
+    assert m["mismatch/tokens"] == 1 and m["mismatch/max_abs_logprob_diff"] == 0.0  # token 0 only
+    assert m["offpolicy/tokens"] == 2 and m["offpolicy/kl"] == pytest.approx((0.5 - 1.0) / 2)
+    assert m["offpolicy/lag1/kl"] == pytest.approx(0.5) and m["offpolicy/lag2/kl"] == pytest.approx(-1.0)
+    assert m["offpolicy/lag1/is_weight_mean"] == pytest.approx(math.exp(-0.5))
+    only_old = gap_and_drift(behavior, trainer, mask, torch.tensor([[1.0, 1.0, 1.0, 1.0]]))
+    assert not any(k.startswith("mismatch/") for k in only_old)  # no gap is claimed without current tokens
+    assert set(gap_and_drift(behavior, trainer, mask)) == {"mismatch/kl", "mismatch/abs_logprob_diff",
+                                                           "mismatch/max_abs_logprob_diff", "mismatch/tokens"}
+
+
+def test_metric_sums_weight_a_subset_metric_by_its_own_tokens():
+    from loongsage.trainer.step import MetricSums
+
+    sums = MetricSums()
+    sums.add({"mismatch/kl": 0.2, "mismatch/tokens": 1.0, "loss/policy": 1.0}, tokens=10)
+    sums.add({"mismatch/kl": 0.5, "mismatch/tokens": 3.0, "loss/policy": 2.0}, tokens=10)
+    out = sums.result()
+    assert out["mismatch/kl"] == pytest.approx((0.2 * 1 + 0.5 * 3) / 4) and out["mismatch/tokens"] == 4.0
+    assert out["loss/policy"] == 3.0

@@ -46,6 +46,11 @@ def test_yaml_plus_overrides_are_typed_and_nested(tmp_path):
     (["agent.kind=blackbox", "agent.command=[node, agent.js]", "agent.preload=[openai]"],
      "agent.preload needs agent.command = ['{python}', 'script.py', ...]"),
     (["agent.limits.max_turns=0"], "agent.limits.max_turns: Input should be greater than or equal to 1"),
+    (["sampling.top_p=0.9"], "sampling: top_p=0.9, top_k=-1: the trainer scores each token"),
+    (["sampling.top_k=20"], "refused for training; set top_p: 1.0 and top_k: -1"),
+    (["data_sources=[{name: a, task: {name: arithmetic}, sampling: {temperature: 0.7}, prompts_per_step: 2, "
+      "teachers: {t: 1.0}}]", "teachers=[{name: t, model: /m}]", "algo.loss.distill.gkd_coef=1.0"],
+     "distillation with a sampling temperature other than 1 is not supported"),
 ])
 def test_config_errors_are_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as info:

@@ -99,3 +99,13 @@ def test_a_batch_without_learning_signal_is_not_trained():
     assert has_learning_signal(flat, LossConfig(entropy_coef=0.01))
     flat[2].advantage = -0.35
     assert has_learning_signal(flat, LossConfig())
+
+
+def test_a_token_is_as_old_as_the_oldest_policy_that_shaped_its_prefix():
+    """A request that lived through a weight update keeps the older version's KV cache: its newer
+    tokens count as off-policy by the older lag (inserted tokens, version -1, inherit it)."""
+    from loongsage.trainer.batch import version_lags
+
+    assert version_lags([3, 3, 4, -1, 5], trained_version=5) == [2, 2, 2, 2, 2]
+    assert version_lags([5, 5], trained_version=5) == [0, 0]
+    assert version_lags([-1, 4, 5], trained_version=5) == [0, 1, 1]

@@ -181,6 +181,14 @@ def test_teacher_scores_equal_a_full_forward_of_the_teacher(engine_b, tiny_model
         [[round(v, 4) for v in row] for row in top.values.tolist()]
 
 
+async def _resume_all(*urls: str) -> None:
+    """The session's shared engines go back resident whatever a test left them as (later tests use them)."""
+    for url in urls:
+        client = EngineClient(url)
+        await client.resume_memory()
+        await client.aclose()
+
+
 def test_a_released_teacher_is_resumed_on_demand_and_scores_identically(engine, engine_b, tiny_model,
                                                                           tiny_model_b):
     """Two teachers, a budget of one: scoring alternates between them, each swap releases the idle
@@ -192,19 +200,20 @@ def test_a_released_teacher_is_resumed_on_demand_and_scores_identically(engine, 
     mgr = TeacherManager([ta, tb], budget_bytes=size, top_k=3)
 
     async def go():
-        await mgr.start()
-        assert ta.resident and not tb.resident
-        rounds = []
-        for _ in range(2):
-            for name in ("a", "b"):
-                s = Sample([10, 11, 12], [30, 31], [1, 1], [0.0, 0.0], [0, 0])
-                await mgr.score_group(Group([s], [0.0]), {name: 1.0})
-                rounds.append((name, s.teacher[name]))
-        info = [await EngineClient(u).model_info() for u in (engine.url, engine_b.url)]
-        metrics = mgr.metrics()
-        await mgr.ensure_resident("a")
-        await mgr.close()
-        return rounds, info, metrics
+        try:
+            await mgr.start()
+            assert ta.resident and not tb.resident
+            rounds = []
+            for _ in range(2):
+                for name in ("a", "b"):
+                    s = Sample([10, 11, 12], [30, 31], [1, 1], [0.0, 0.0], [0, 0])
+                    await mgr.score_group(Group([s], [0.0]), {name: 1.0})
+                    rounds.append((name, s.teacher[name]))
+            info = [await EngineClient(u).model_info() for u in (engine.url, engine_b.url)]
+            return rounds, info, mgr.metrics()
+        finally:
+            await mgr.close()
+            await _resume_all(engine.url, engine_b.url)
     rounds, info, metrics = run(go())
     by = {}
     for name, scores in rounds:
@@ -224,16 +233,18 @@ def test_concurrent_work_for_two_teachers_under_a_budget_of_one_completes(engine
     mgr = TeacherManager([ta, tb], budget_bytes=10)
 
     async def go():
-        await mgr.start()
-        samples = [Sample([10, 11, 12], [30 + i, 31], [1, 1], [0.0, 0.0], [0, 0]) for i in range(12)]
-        jobs = []
-        for i, s in enumerate(samples):  # a, b, a, b, ... arriving while earlier ones are being scored
-            jobs.append(asyncio.create_task(mgr.score_group(Group([s], [0.0]), {"ab"[i % 2]: 1.0})))
-            await asyncio.sleep(0.002)
-        await asyncio.wait_for(asyncio.gather(*jobs), timeout=60)
-        swaps = mgr.metrics()["teacher/swaps"]
-        await mgr.close()
-        return samples, swaps
+        try:
+            await mgr.start()
+            samples = [Sample([10, 11, 12], [30 + i, 31], [1, 1], [0.0, 0.0], [0, 0]) for i in range(12)]
+            jobs = []
+            for i, s in enumerate(samples):  # a, b, a, b, ... arriving while earlier ones are being scored
+                jobs.append(asyncio.create_task(mgr.score_group(Group([s], [0.0]), {"ab"[i % 2]: 1.0})))
+                await asyncio.sleep(0.002)
+            await asyncio.wait_for(asyncio.gather(*jobs), timeout=120)
+            return samples, mgr.metrics()["teacher/swaps"]
+        finally:
+            await mgr.close()
+            await _resume_all(engine.url, engine_b.url)
     samples, swaps = run(go())
     assert all(len(s.teacher) == 1 for s in samples) and swaps <= 4
 

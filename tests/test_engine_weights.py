@@ -233,6 +233,8 @@ def test_release_and_resume_memory_frees_rss_and_keeps_outputs(big_engine):
     time.sleep(0.2)
     rss_released = proc.memory_info().rss
     assert httpx.get(big_engine.url + "/health_generate", timeout=5).status_code == 503
+    refused = httpx.post(big_engine.url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}}, timeout=5)
+    assert refused.status_code == 503 and "memory released" in refused.json()["error"]["message"]  # not a hang
     weight_bytes = 33_000_000 * 4
     assert rss_0 - rss_released > 0.8 * weight_bytes, (rss_0, rss_released)
     call(big_engine.url, lambda c: c.resume_memory(None))

@@ -50,6 +50,10 @@ def test_two_sources_distil_from_their_own_teachers_in_exact_proportions(ray_ses
         assert r["staleness/max"] <= 1
         assert r["teacher/peak_resident_bytes"] <= size_mb * 1.2 * 2**20  # never both teachers at once
     assert max(r["staleness/max"] for r in steps) == 1  # generation really ran ahead
+    # fp32 on both sides: tokens of the trained version show no gap; older ones show the policy's drift
+    assert all(r["mismatch/max_abs_logprob_diff"] < 1e-4 for r in steps if r["mismatch/kl"] is not None)
+    drift = [abs(r["offpolicy/lag1/kl"]) for r in steps if "offpolicy/lag1/kl" in r]
+    assert drift and max(drift) > 1e-3
     assert sum(r["teacher/swaps"] for r in steps) >= 2
     first = sum(r["loss/distill"] for r in steps[:4]) / 4
     last = sum(r["loss/distill"] for r in steps[-4:]) / 4

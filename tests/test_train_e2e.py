@@ -80,8 +80,37 @@ def test_async_run_keeps_every_sample_inside_the_window(ray_session, tmp_path, s
     assert len(steps) == 30
     assert all(r["staleness/max"] <= 2 for r in steps)
     assert max(r["staleness/max"] for r in steps) >= 1  # generation really ran ahead
-    gaps = [r["mismatch/abs_logprob_diff"] for r in steps if r["samples/trained"]]  # null: nothing trained
+    # null: no token of the trained version in the step (nothing trained, or only older tokens)
+    gaps = [r["mismatch/abs_logprob_diff"] for r in steps if r["mismatch/abs_logprob_diff"] is not None]
     assert gaps and min(gaps) > 1e-4  # bf16 engine vs fp32 trainer
+    assert any(r.get("offpolicy/lag1/tokens", 0) > 0 for r in steps)  # older tokens are reported apart
     assert all("is/clip_frac" in r and r["is/weight_mean"] > 0 for r in steps)
     assert all(r["samples/cancelled"] >= 0 and r["samples/dropped_stale"] >= 0 for r in steps)
     assert all(sum(v for k, v in r.items() if k.startswith("staleness/hist/")) == r["samples/trained"] for r in steps)
+
+
+@pytest.mark.slow
+def test_steps_with_nothing_to_train_advance_version_and_schedule_and_send_no_weights(ray_session, tmp_path):
+    """An untrained model never solves 3-digit addition: every group's rewards are equal, so every
+    step is skipped. The trainer's version and LR warm-up still advance with the run's steps, the
+    engines only relabel their weights (no bytes), and the weights end exactly as they began."""
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = load_config("recipes/arith_grpo.yaml", [
+        f"run_dir={tmp_path / 'run'}", f"model.cache_dir={tmp_path / 'models'}", f"task.data_dir={tmp_path / 'data'}",
+        "bootstrap.enabled=false", "model.tiny.max_position_embeddings=32", "task.params.digits=3",
+        "task.train_size=64", "task.eval_size=8", "engine.context_length=32", "sampling.max_new_tokens=4",
+        "sampling.n=4", "rollout.prompts_per_step=4", "trainer.warmup_steps=4", "trainer.lr=1e-3",
+        "train.steps=3", "train.eval_every=3", "train.max_minutes=null", "trainer.threads=1",
+        "rollout.engine_threads=1"])
+    asyncio.run(train(cfg))
+    steps = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0 and "reward/mean" in r]
+    assert [r["train/skipped_no_signal"] for r in steps] == [1.0, 1.0, 1.0]
+    assert all(r["weight_sync/bytes"] == 0 for r in steps)
+    assert [round(r["train/lr"], 6) for r in steps] == [2.5e-4, 5e-4, 7.5e-4]  # warm-up: (k + 1) / 4 at step k + 1
+    final = tmp_path / "run" / "checkpoints" / "final"
+    assert torch.load(final / "trainer_state.pt", weights_only=False)["version"] == 3
+    start = load_file(str(next((tmp_path / "models").glob("*/model.safetensors"))))
+    end = load_file(str(final / "model.safetensors"))
+    assert all(torch.equal(start[k], end[k]) for k in start)

@@ -250,3 +250,47 @@ def test_bf16_mixed_precision_trains_close_to_fp32(ray_session, tiny_model):
     gap = (lp32 - lp16).abs()[mask].max().item()
     assert 0 < gap < 0.1  # bf16 compute really ran, and stays close
     assert l16[-1] < l16[0] and abs(l16[-1] - l32[-1]) < 0.1 * l32[0]
+
+
+def test_tokens_sampled_at_a_temperature_train_with_no_gap(ray_session, tiny_model):
+    """At T = 0.7 the engine records logprobs of logits / 0.7; the trainer scores each token under the
+    temperature it was sampled at, so the gap stays ~0 (and would be large under the raw logits)."""
+    trainers = TrainerGroup(TrainerConfig(world_size=1, lr=1e-3, micro_batch_size=4), tiny_model)
+    try:
+        with launch_engine(tiny_model, extra_args=["--max-running", "16", "--context-length", "128"]) as ep:
+            outs = call(ep.url, lambda c: c.generate_batch([[10, 11, 12]] * 8, {"max_new_tokens": 12, "temperature": 0.7,
+                                                                               "ignore_eos": True}, return_logprob=True))
+
+        def batch(temperatures):
+            return collate([Sample([10, 11, 12], o.output_ids, [1] * 12, o.output_logprobs, o.output_versions,
+                                   advantage=float(i % 2) - 0.5, temperatures=temperatures)
+                            for i, o in enumerate(outs)], 0)
+
+        async def go():
+            raw, _ = await trainers.compute_logprobs(b := batch(None))
+            tempered = batch([0.7] * 12)
+            metrics = await trainers.train_step(tempered, "policy", LossConfig())
+            return float(((raw - b.behavior_logprobs).abs() * b.loss_mask).max()), metrics
+        raw_gap, metrics = asyncio.run(go())
+        assert metrics["mismatch/max_abs_logprob_diff"] < 1e-4
+        assert raw_gap > 0.05  # the same tokens under the raw logits: what training at T != 1 used to see
+    finally:
+        trainers.shutdown()
+
+
+def test_mini_batches_take_several_optimizer_steps_against_one_proximal_pass(ray_session, tiny_model):
+    """Four mini-batches over two epochs: eight optimizer steps, one version; the first step's ratio
+    is exactly 1 (nothing clipped), later steps move off the proximal policy so PPO's clip acts."""
+    group = TrainerGroup(TrainerConfig(world_size=1, lr=3e-2, micro_batch_size=8), tiny_model)
+    try:
+        async def go():
+            batch = policy_batch(n=8)
+            batch.proximal_logprobs, _ = await group.compute_logprobs(batch)
+            return await group.train_steps(batch, LossConfig(is_mode="none", clip_low=0.05, clip_high=0.05),
+                                           mini_batches=4, epochs=2), await group.version()
+        m, version = asyncio.run(go())
+    finally:
+        group.shutdown()
+    assert m["train/optimizer_steps"] == 8 and version == 1
+    assert m["loss/clip_frac_first"] == 0.0 and m["loss/clip_frac_last"] > 0.0
+    assert m["loss/approx_kl"] > 0

@@ -76,7 +76,7 @@ class AgentContext:
         cap = min(budget, int(sampling.pop("max_new_tokens", self.llm.sampling.get("max_new_tokens", budget))))
         turn = await self.llm.generate(chain.ids, {**sampling, "max_new_tokens": cap}, session=self.session)
         self.turns += 1
-        chain.add_model_turn(turn.output_ids, turn.logprobs, turn.versions)
+        chain.add_model_turn(turn.output_ids, turn.logprobs, turn.versions, turn.temperature)
         chain.messages.append(turn.message())
         chain.last_stop = turn.stopped_with
         info = self.trajectory.info

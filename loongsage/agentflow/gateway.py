@@ -60,7 +60,7 @@ class Gateway:
 
     def _commit(self, session: Session, chain, extends: bool, prompt: list[int], turn: ModelTurn) -> None:
         """The turn joins its chain and the session's records (and the record file)."""
-        chain.add_model_turn(turn.output_ids, turn.logprobs, turn.versions)
+        chain.add_model_turn(turn.output_ids, turn.logprobs, turn.versions, turn.temperature)
         chain.messages.append(turn.message())
         chain.last_stop = turn.stopped_with
         session.calls += 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from loongsage.agentflow.chat_tokens import ChatTokens
 from loongsage.agentflow.toolcalls import ParsedTurn, parse_tool_calls
 from loongsage.rollout.router import Router
+from loongsage.sample import scoring_temperature
 
 
 @dataclass
@@ -20,6 +21,7 @@ class ModelTurn:
     finish: str  # stop | length | abort
     weight_version: int
     stopped_with: int | None = None  # the end-of-turn token that ended it (None: cut short or a stop string)
+    temperature: float = 1.0  # the distribution its logprobs are of (see sample.scoring_temperature)
 
     def message(self) -> dict:
         """The OpenAI assistant message this turn is."""
@@ -37,7 +39,7 @@ class PolicyLLM:
                        rid: str | None = None) -> ModelTurn:
         params = {**self.sampling, **(sampling or {}), "n": 1}
         out = (await self.router.generate(ids, params, session=session, return_logprob=True, rid=rid))[0]
-        return self._turn(out)
+        return self._turn(out, params)
 
     async def stream(self, ids: list[int], sampling: dict | None = None,
                      session: str | None = None) -> AsyncIterator[tuple[str, ModelTurn | None]]:
@@ -50,12 +52,13 @@ class PolicyLLM:
                 yield self.chat.turn_text(out.output_ids), None
         if last is None:
             raise RuntimeError("the engine closed the stream without a result")
-        turn = self._turn(last)
+        turn = self._turn(last, params)
         yield turn.text, turn
 
-    def _turn(self, out) -> ModelTurn:
+    def _turn(self, out, params: dict) -> ModelTurn:
         text = self.chat.turn_text(out.output_ids)
         last = out.output_ids[-1] if out.output_ids else None
         stop = last if out.finish_type == "stop" and last in self.chat.stop_ids else None
         return ModelTurn(list(out.output_ids), list(out.output_logprobs or []), out.versions, text,
-                         parse_tool_calls(text), out.finish_type, out.weight_version, stop)
+                         parse_tool_calls(text), out.finish_type, out.weight_version, stop,
+                         scoring_temperature(params.get("temperature")))

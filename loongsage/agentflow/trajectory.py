@@ -21,6 +21,7 @@ class Chain:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # normalized history incl. the last model turn
     tools: list[dict] | None = None
     last_stop: int | None = None  # the stop token the last model turn ended with (None: cut short)
@@ -29,19 +30,22 @@ class Chain:
     def ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
 
-    def add_model_turn(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def add_model_turn(self, ids: list[int], logprobs: list[float], versions: list[int],
+                       temperature: float = 1.0) -> None:
         if not (len(ids) == len(logprobs) == len(versions)):
             raise ValueError(f"model turn: {len(ids)} ids, {len(logprobs)} logprobs, {len(versions)} versions")
         self.response_ids += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += versions
+        self.temperatures += [temperature] * len(ids)
 
     def add_inserted(self, ids: list[int]) -> None:
         self.response_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+        self.temperatures += [1.0] * len(ids)
 
     @property
     def model_tokens(self) -> int:
@@ -67,8 +71,8 @@ class Trajectory:
         for i, c in enumerate(ch for ch in self.chains if ch.model_tokens):
             out.append(Sample(list(c.prompt_ids), list(c.response_ids), list(c.loss_mask), list(c.logprobs),
                               list(c.versions), reward=self.reward, tag=tag, status=self.status, reason=self.reason,
-                              group=group, text=self.answer,
-                              info={**self.info, "rollout": rollout, "chain": i}))
+                              group=group, text=self.answer, info={**self.info, "rollout": rollout, "chain": i},
+                              temperatures=list(c.temperatures) if any(t != 1.0 for t in c.temperatures) else None))
         return out
 
 

@@ -24,7 +24,25 @@ def rloo(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - rewards.mean(dim=1, keepdim=True)) * n / (n - 1)
 
 
-ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
+def batch_zscore(rewards: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
+    """(r - batch mean) / (batch std + eps): one baseline for every prompt of the step."""
+    flat = rewards.flatten()
+    std = flat.std() if flat.numel() > 1 else torch.zeros(())
+    return (rewards - flat.mean()) / (std + eps)
+
+
+def batch_mean(rewards: torch.Tensor) -> torch.Tensor:
+    """r - batch mean."""
+    return rewards - rewards.mean()
+
+
+def raw(rewards: torch.Tensor) -> torch.Tensor:
+    """No baseline, no normalisation: the reward itself (REINFORCE)."""
+    return rewards.clone()
+
+
+ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "group_zscore": grpo, "group_mean": dr_grpo,
+              "batch_zscore": batch_zscore, "batch_mean": batch_mean, "none": raw}
 
 
 def compute(name: str, rewards: torch.Tensor) -> torch.Tensor:

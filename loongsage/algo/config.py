@@ -9,7 +9,8 @@ from loongsage.extensions import plugin
 
 KLEstimator = plugin("kl_estimator", ["k1", "k2", "k3"])
 PolicyLoss = plugin("policy_loss", ["ppo"])
-AdvantageEstimator = plugin("advantage", ["grpo", "dr_grpo", "rloo"])
+AdvantageEstimator = plugin("advantage", ["grpo", "dr_grpo", "rloo", "group_zscore", "group_mean", "batch_zscore",
+                                          "batch_mean", "none"])
 
 
 class DistillConfig(BaseModel):
@@ -51,10 +52,21 @@ class LossConfig(BaseModel):
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0, description="> clip_low is DAPO's clip-higher")
     aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
-    is_mode: Literal["none", "metrics", "tis", "mis"] = "tis"
+    is_mode: Literal["none", "metrics", "tis", "mis", "geo_mis"] = Field(
+        "tis", description="behaviour -> proximal correction: truncated (tis), masked (mis), or masked by the "
+                           "geometric mean of a sequence's token ratios (geo_mis, two-sided [is_low, is_cap])")
     is_level: Literal["token", "sequence"] = "token"
     is_cap: float = Field(2.0, gt=0.0, description="TIS truncation C; MIS upper bound")
     is_low: float = Field(0.5, ge=0.0, description="MIS lower bound")
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="sequence: GSPO, one clipped ratio per sequence (needs seq_mean_token_mean)")
+    dual_clip: float | None = Field(None, gt=1.0, description="c of dual-clip PPO: for A < 0 the loss is at most -c A")
+    m2po_threshold: float | None = Field(None, gt=0.0, description=(
+        "M2PO: mask the tokens of largest squared log(proximal/behaviour) until the mean of the rest is at most this"))
+    opsm_delta: float | None = Field(None, ge=0.0, description=(
+        "OPSM: drop sequences with negative advantage whose per-token KL(behaviour || proximal) exceeds this"))
+    max_version_lag: int | None = Field(None, ge=0, description=(
+        "mask tokens produced more than this many versions before the trained one (partial rollouts)"))
     kl_coef: float = Field(0.0, ge=0.0)
     kl_estimator: KLEstimator = Field(
         "k3", description="k1 | k2 | k3 (Schulman), or module:attr of a (logprobs, ref_logprobs) -> per-token KL")
@@ -66,17 +78,30 @@ class LossConfig(BaseModel):
 
     @model_validator(mode="after")
     def _bounds(self) -> LossConfig:
-        if self.is_mode == "mis" and self.is_low >= self.is_cap:
+        if self.is_mode in ("mis", "geo_mis") and self.is_low >= self.is_cap:
             raise ValueError(f"is_low ({self.is_low}) must be below is_cap ({self.is_cap}) for masked IS")
+        if self.ratio_level == "sequence" and self.aggregation != "seq_mean_token_mean":
+            raise ValueError("ratio_level=sequence (GSPO) needs aggregation=seq_mean_token_mean (its gradient is "
+                             "then exactly that of the sequence ratio)")
         return self
 
 
 class AlgoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     advantage: AdvantageEstimator = Field(
-        "grpo", description="grpo | dr_grpo | rloo, or module:attr of a (rewards [groups, n]) -> advantages")
+        "grpo", description="grpo (= group_zscore) | dr_grpo (= group_mean) | rloo | batch_zscore | batch_mean | none "
+                            "(raw rewards), or module:attr of a (rewards [groups, n]) -> advantages")
     loss: LossConfig = LossConfig()
+    mini_batches: int = Field(1, ge=1, description=(
+        "optimizer steps per rollout batch (its rows split evenly); above 1 the proximal logprobs come from one "
+        "pass before the first, so the PPO ratio moves off 1 and clipping acts"))
+    epochs: int = Field(1, ge=1, description="passes over the rollout batch (each in `mini_batches` steps)")
     recompute_proximal: bool = Field(False, description=(
         "run a separate no-grad pass for the proximal logprobs before the update (verl/slime's old_log_prob). "
         "Off: one batch is one optimizer step, so the policy before the update is exactly the one in the "
-        "update's own forward pass, whose detached logprobs serve; this saves a forward per step."))
+        "update's own forward pass, whose detached logprobs serve; this saves a forward per step. Always on with "
+        "mini_batches or epochs above 1."))
+
+    @property
+    def needs_proximal_pass(self) -> bool:
+        return self.recompute_proximal or self.mini_batches > 1 or self.epochs > 1

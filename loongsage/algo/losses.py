@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loongsage.algo import offpolicy
 from loongsage.algo.config import LossConfig
 
 
@@ -25,6 +26,7 @@ class PolicyInputs:
     mask: torch.Tensor  # float {0, 1}
     entropy: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    version_lag: torch.Tensor | None = None  # per token: versions between its sampler and the trained weights
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, denominator: float | None = None) -> torch.Tensor:
@@ -71,6 +73,10 @@ def importance_weights(proximal: torch.Tensor, behavior: torch.Tensor, mask: tor
         keep = (w >= cfg.is_low) & (w <= cfg.is_cap)
         applied = w * keep
         metrics["is/mask_frac"] = float(((~keep).float() * mask).sum() / n)
+    elif cfg.is_mode == "geo_mis":
+        geo, keep, frac = offpolicy.geometric_mean_weights(proximal, behavior, mask, cfg.is_low, cfg.is_cap)
+        applied = (geo * keep).expand_as(mask)
+        metrics["is/geo_mask_frac"] = frac
     else:
         applied = torch.ones_like(w)
     return applied.detach(), metrics
@@ -81,7 +87,8 @@ def policy_loss(x: PolicyInputs, cfg: LossConfig, denominator: float | None = No
     mask = x.mask.float()
     n = mask.sum().clamp(min=1)
     log_ratio = x.logprobs - x.proximal_logprobs
-    ratio = torch.exp(log_ratio)
+    ratio = offpolicy.sequence_ratio(x.logprobs, x.proximal_logprobs, mask) if cfg.ratio_level == "sequence" \
+        else torch.exp(log_ratio)
     unclipped = -x.advantages * ratio
     clipped = -x.advantages * ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     per_token = torch.maximum(unclipped, clipped)
@@ -89,6 +96,9 @@ def policy_loss(x: PolicyInputs, cfg: LossConfig, denominator: float | None = No
         "loss/clip_frac": float(((clipped > unclipped).float() * mask).sum() / n),
         "loss/approx_kl": float((0.5 * log_ratio.detach() ** 2 * mask).sum() / n),
     }
+    if cfg.dual_clip is not None:
+        per_token, metrics["loss/dual_clip_frac"] = offpolicy.dual_clip(per_token, x.advantages, cfg.dual_clip, mask)
+    per_token = per_token * _safeguard_keep(x, cfg, mask, metrics)
     if cfg.is_mode != "none":
         w, is_metrics = importance_weights(x.proximal_logprobs, x.behavior_logprobs, mask, cfg)
         metrics.update(is_metrics)
@@ -107,6 +117,23 @@ def policy_loss(x: PolicyInputs, cfg: LossConfig, denominator: float | None = No
     loss = aggregate(per_token, mask, cfg.aggregation, denominator)
     metrics["loss/policy"] = float(loss.detach())
     return loss, metrics
+
+
+def _safeguard_keep(x: PolicyInputs, cfg: LossConfig, mask: torch.Tensor, metrics: dict[str, float]) -> torch.Tensor:
+    """1 where the selected safeguards (M2PO, OPSM, version lag) keep a token, else 0."""
+    keep = torch.ones_like(mask)
+    if cfg.m2po_threshold is not None:
+        k, metrics["offpolicy/m2po_mask_frac"] = offpolicy.m2po_keep(x.proximal_logprobs, x.behavior_logprobs, mask,
+                                                                      cfg.m2po_threshold)
+        keep = keep * k
+    if cfg.opsm_delta is not None:
+        k, metrics["offpolicy/opsm_drop_frac"] = offpolicy.opsm_keep(x.proximal_logprobs, x.behavior_logprobs, mask,
+                                                                      x.advantages, cfg.opsm_delta)
+        keep = keep * k
+    if cfg.max_version_lag is not None and x.version_lag is not None:
+        k, metrics["offpolicy/lag_mask_frac"] = offpolicy.lag_keep(x.version_lag, mask, cfg.max_version_lag)
+        keep = keep * k
+    return keep.detach()
 
 
 def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, denominator: float | None = None

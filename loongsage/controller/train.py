@@ -98,7 +98,8 @@ async def train(cfg: RunConfig) -> dict:
                 record = await training
                 if pending is not None:
                     _finish(await _delivered(pending), clock, metrics, bar, task)
-                pending = (record, _start_weight_update(step, cfg, rt, sources, teachers, timeline))
+                pending = (record, _start_weight_update(step, cfg, rt, sources, teachers, timeline,
+                                                        changed=not record["train/skipped_no_signal"]))
                 evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.steps
                 out_of_time = cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
                 if evaluate_now or out_of_time or (cfg.train.save_every and step % cfg.train.save_every == 0):
@@ -207,7 +208,8 @@ async def _next_batch(step: int, cfg: RunConfig, sources, keep, batch_spec, time
     record.update(_agent_metrics(sampled))
     record.update(source_metrics([src.name for src in sources], sampled, samples))
     pad, teachers, top_k = batch_spec
-    return record, (collate(samples, pad, teachers, top_k) if samples else None), samples
+    batch = collate(samples, pad, teachers, top_k, trained_version=step - 1) if samples else None
+    return record, batch, samples
 
 
 def has_learning_signal(samples: list[Sample], loss: LossConfig) -> bool:
@@ -224,13 +226,15 @@ async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, o
     record, batch, samples = prepared
     t_train = time.perf_counter()
     if batch is not None:
-        if cfg.algo.recompute_proximal:  # otherwise the update's own forward gives them (and the gap)
+        if cfg.algo.needs_proximal_pass:  # otherwise the update's own forward gives them (and the gap)
             batch.proximal_logprobs, _ = await rt.trainers.compute_logprobs(batch)
         if rt.reference is not None:
             batch.ref_logprobs, _ = await rt.reference.compute_logprobs(batch)
-        record.update(await rt.trainers.train_step(batch, "policy", cfg.algo.loss))
+        record.update({"mismatch/kl": None, "mismatch/abs_logprob_diff": None})  # null: no token of version step - 1
+        record.update(await rt.trainers.train_steps(batch, cfg.algo.loss, cfg.algo.mini_batches, cfg.algo.epochs))
         record.update(_staleness_metrics(step, samples))
-    else:  # no learning signal arrived: no update (the gap is not measured), but the version advances
+    else:  # no learning signal arrived: no update (the gap is not measured); version and schedule advance
+        record.update(await rt.trainers.skip_step())
         record.update({"staleness/mean": 0.0, "staleness/max": 0.0, "mismatch/kl": None,
                        "mismatch/abs_logprob_diff": None})
     record["time/train_s"] = time.perf_counter() - t_train
@@ -258,16 +262,19 @@ async def _take_batch(step, cfg: RunConfig, sources, keep):
     return groups, [g for t in taken for g in t.sampled], sum(t.dropped_samples for t in taken)
 
 
-def _start_weight_update(step, cfg: RunConfig, rt: Runtime, sources, teachers, timeline: Timeline) -> asyncio.Task:
+def _start_weight_update(step, cfg: RunConfig, rt: Runtime, sources, teachers, timeline: Timeline,
+                         changed: bool = True) -> asyncio.Task:
     """Version `step` to the engines: the trainer side is submitted now (ordered before the next
     train step, which then overlaps the transfer); the returned task feeds the engines (held by
     the pause mode), confirms the version, advances every source's window and cancels in-flight
-    groups that can no longer be trained in time; teachers that follow the student get it when due."""
-    begun = rt.sync.begin(step)
+    groups that can no longer be trained in time; teachers that follow the student get it when due.
+    A step that trained nothing (`changed` false) sends no weights: the engines relabel theirs."""
+    begun = rt.sync.begin(step) if changed else None
 
     async def deliver() -> dict:
         with timeline.span("weight sync", f"sync v{step}"):
-            out = await rt.sync.deliver(step, begun)  # receivers held (pause mode) and confirmed by the mesh
+            # receivers held (pause mode) and confirmed by the mesh
+            out = await (rt.sync.deliver(step, begun) if changed else rt.sync.relabel(step))
         cancelled = 0
         for src in sources:
             src.buffer.advance()

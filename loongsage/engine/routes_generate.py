@@ -16,7 +16,7 @@ from fastapi.responses import StreamingResponse
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
-from loongsage.wire import body_of, json_response
+from loongsage.wire import body_of, error, json_response
 
 
 def generation_routes(core: EngineCore) -> APIRouter:
@@ -25,6 +25,9 @@ def generation_routes(core: EngineCore) -> APIRouter:
     @router.post("/generate")
     async def generate(request: Request):
         req = S.parse(S.GenerateRequest, await body_of(request))
+        if core.memory_released:  # it would wait for /resume_memory_occupation, which may never come
+            return error(503, "memory released (/release_memory_occupation): nothing can run until "
+                              "/resume_memory_occupation")
         seqs, single = _expand(req, core)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[SeqSnapshot] = asyncio.Queue()

@@ -130,6 +130,11 @@ class EngineClient:
     async def resume_memory(self, tags: list[str] | None = None) -> dict:
         return await self._post("/resume_memory_occupation", {"tags": tags})
 
+    async def update_weight_version(self, version: str | int, abort_all_requests: bool = False) -> dict:
+        """Relabel the served weights (SGLang's route; it aborts running requests unless told not to)."""
+        return await self._post("/update_weight_version", {"new_version": str(version),
+                                                           "abort_all_requests": abort_all_requests})
+
     # ---- weights -------------------------------------------------------------------------
     async def update_weights_from_disk(self, model_path: str, weight_version: str | int | None = None) -> dict:
         body: dict[str, Any] = {"model_path": model_path}

@@ -10,11 +10,18 @@ DataFilter = plugin("filter")
 ClientClass = plugin("client")
 
 
+TRUNCATION_REFUSED = ("the trainer scores each token under logits / temperature over the whole vocabulary, the "
+                      "distribution the engine records logprobs of; a truncated one (top-p, top-k) would make the "
+                      "policy gradient biased and the train-inference gap large, so it is refused for training")
+
+
 class SamplingConfig(BaseModel):
+    """How training rollouts sample. Any temperature trains exactly (the trainer applies it); top-p
+    and top-k are refused: see TRUNCATION_REFUSED."""
     model_config = ConfigDict(extra="forbid")
     temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="must stay 1.0 for training")
+    top_k: int = Field(-1, ge=-1, description="must stay -1 (off) for training")
     max_new_tokens: int = Field(16, ge=1)
     n: int = Field(1, ge=1, description="samples per prompt (a GRPO group)")
 
@@ -22,6 +29,9 @@ class SamplingConfig(BaseModel):
     def _greedy_group(self) -> SamplingConfig:
         if self.n > 1 and self.temperature == 0.0:
             raise ValueError("n > 1 with temperature 0 gives n identical greedy samples; raise temperature or set n=1")
+        if self.top_p < 1.0 or self.top_k > 0:
+            raise ValueError(f"top_p={self.top_p}, top_k={self.top_k}: {TRUNCATION_REFUSED}; "
+                             "set top_p: 1.0 and top_k: -1 (temperature is fine)")
         return self
 
     def sampling_params(self) -> dict:

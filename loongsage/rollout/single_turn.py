@@ -8,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from loongsage.rollout.router import Router
-from loongsage.sample import Group, Sample
+from loongsage.sample import Group, Sample, scoring_temperature
 from loongsage.tasks.base import TaskRow, TaskSpec
 from loongsage.tasks.prepare import prompt_ids
 
@@ -55,11 +55,12 @@ class SingleTurnRollout:
         session = group_session(gid)
         outs = await self.router.generate(ids, {**self.sampling, "n": n}, session=session, return_logprob=True,
                                           rid=session)
+        temp = scoring_temperature(self.sampling.get("temperature"))
         samples = [Sample(
             prompt_ids=ids, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids),
             behavior_logprobs=o.output_logprobs, versions=o.versions, reward=self.spec.reward(o.text, row),
             tag=row.tag, status="truncated" if o.finish_type == "length" else ("failed" if o.finish_type == "abort" else "ok"),
-            group=gid, text=o.text) for o in outs]
+            group=gid, text=o.text, temperatures=None if temp == 1.0 else [temp] * len(o.output_ids)) for o in outs]
         return Group(samples, [s.reward for s in samples], row.tag, failed=sum(s.status == "failed" for s in samples))
 
     async def cancel(self, gid: int) -> int:

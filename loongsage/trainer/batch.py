@@ -27,6 +27,8 @@ class TrainBatch:
     teacher_top_ids: torch.Tensor | None = None  # [B, L-1, M, K] long
     teacher_top_logprobs: torch.Tensor | None = None  # [B, L-1, M, K]
     teacher_weights: torch.Tensor | None = None  # [B, M]; 0 where a teacher did not score the sample
+    temperatures: torch.Tensor | None = None  # [B, L-1]: each target's sampling temperature (None: all 1)
+    version_lag: torch.Tensor | None = None  # [B, L-1]: see version_lags
 
     @property
     def size(self) -> int:
@@ -83,10 +85,12 @@ _FULL_LENGTH = {"input_ids", "attention_mask"}  # [B, L]; the other tensors are 
 _PER_ROW = {"teacher_weights"}  # [B, M]: not along the sequence
 
 
-def collate(samples: list[Sample], pad_id: int, teachers: list[str] | None = None, top_k: int = 0) -> TrainBatch:
+def collate(samples: list[Sample], pad_id: int, teachers: list[str] | None = None, top_k: int = 0,
+            trained_version: int | None = None) -> TrainBatch:
     """`teachers`: the distillation teachers' names (their scores, `Sample.teacher`, become the
     teacher tensors); `top_k`: how many top tokens per position each teacher returned (0: only the
-    sampled token's logprob)."""
+    sampled token's logprob); `trained_version`: the version of the weights this batch updates
+    (gives `version_lag`, which splits the gap metrics from the off-policy ones)."""
     L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     B = len(samples)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
@@ -104,9 +108,35 @@ def collate(samples: list[Sample], pad_id: int, teachers: list[str] | None = Non
             behavior[i, lo:hi] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
             adv[i, lo:hi] = s.advantage
     batch = TrainBatch(input_ids, attention, loss_mask, behavior, adv)
+    if trained_version is not None:
+        batch.version_lag = torch.zeros((B, L - 1))
+        for i, s in enumerate(samples):
+            if s.response_ids:
+                lo = len(s.prompt_ids) - 1
+                lags = version_lags(s.versions, trained_version)
+                batch.version_lag[i, lo: lo + len(s.response_ids)] = torch.tensor(lags, dtype=torch.float32)
+    if any(s.temperatures is not None for s in samples):
+        batch.temperatures = torch.ones((B, L - 1))
+        for i, s in enumerate(samples):
+            if s.temperatures is not None and s.response_ids:
+                lo = len(s.prompt_ids) - 1
+                batch.temperatures[i, lo: lo + len(s.response_ids)] = torch.tensor(s.temperatures, dtype=torch.float32)
     if teachers:
         _teacher_tensors(batch, samples, teachers, top_k)
     return batch
+
+
+def version_lags(versions: list[int], trained_version: int) -> list[int]:
+    """Per response token: how many versions before the trained one the oldest policy that shaped
+    it was. That is the oldest sampler of it or of any generated token before it: a request that
+    lived through a weight update keeps the earlier version's KV cache, so even its newer tokens
+    were drawn from a mix (inserted tokens, version -1, inherit the running value)."""
+    out, oldest = [], None
+    for v in versions:
+        if v >= 0:
+            oldest = v if oldest is None else min(oldest, v)
+        out.append(max(trained_version - oldest, 0) if oldest is not None else 0)
+    return out
 
 
 def _teacher_tensors(batch: TrainBatch, samples: list[Sample], teachers: list[str], top_k: int) -> None:

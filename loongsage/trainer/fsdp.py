@@ -54,7 +54,8 @@ class FSDPBackend:
     def _forward(self, mb: TrainBatch, with_entropy: bool, with_teacher: bool = False) -> TokenScores:
         ids = mb.input_ids.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device), use_cache=False)
-        return score_tokens(out.logits[:, :-1], ids[:, 1:], with_entropy, mb.teacher_top_ids if with_teacher else None)
+        return score_tokens(out.logits[:, :-1], ids[:, 1:], with_entropy, mb.teacher_top_ids if with_teacher else None,
+                            mb.temperatures)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
@@ -70,7 +71,8 @@ class FSDPBackend:
         return lps, ents
 
     # ---- training ---------------------------------------------------------------------------
-    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float,
+                   last: bool = True) -> dict[str, float]:
         self.model.train()
         sums = MetricSums()
         for _, mb in batch.micro_batches(self.cfg.micro_batch_size):
@@ -85,12 +87,19 @@ class FSDPBackend:
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        if last:
+            self.scheduler.step()
+            self.version += 1
+        out = sums.result()
+        out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": float(batch.loss_mask.sum())})
+        return out
+
+    def skip_step(self) -> dict[str, float]:
+        lr = self.scheduler.get_last_lr()[0]  # what this step would have used
         self.scheduler.step()
         self.version += 1
-        out = sums.result()
-        out.update({"train/grad_norm": grad_norm, "train/lr": self.scheduler.get_last_lr()[0],
-                    "train/tokens": float(batch.loss_mask.sum())})
-        return out
+        return {"train/lr": lr}
 
     # ---- weights ----------------------------------------------------------------------------
     def full_state_dict(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:

@@ -11,7 +11,7 @@ from loongsage.cluster.actors import stop_actors
 from loongsage.extensions import search_path
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.step import ADDITIVE, MAXIMAL
+from loongsage.trainer.step import MAXIMAL, is_additive
 from loongsage.trainer.worker import TrainerRank
 from loongsage.transfer.tensor_handles import SHM_PREFIX
 
@@ -56,9 +56,10 @@ class TrainerGroup:
         ent = torch.cat([o[1] for o in outs])[: batch.size] if with_entropy else None
         return lp, ent
 
-    async def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None) -> dict[str, float]:
+    async def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, last: bool = True
+                         ) -> dict[str, float]:
         denominator = batch.num_tokens if (loss_cfg is None or loss_cfg.aggregation == "token_mean") else batch.num_sequences
-        per_rank = await asyncio.gather(*[r.train_step.remote(s, loss, loss_cfg, max(denominator, 1.0))
+        per_rank = await asyncio.gather(*[r.train_step.remote(s, loss, loss_cfg, max(denominator, 1.0), last)
                                           for r, s in zip(self.ranks, self._rank_shards(batch))])
         per_rank = self._replica_leads(per_rank)
         out = {}
@@ -67,8 +68,38 @@ class TrainerGroup:
             if key in MAXIMAL:
                 out[key] = max(vals)
             else:
-                out[key] = sum(vals) if key in ADDITIVE or key == "train/tokens" else sum(vals) / len(vals)
+                out[key] = sum(vals) if is_additive(key) or key == "train/tokens" else sum(vals) / len(vals)
         return out
+
+    async def train_steps(self, batch: TrainBatch, loss_cfg: LossConfig, mini_batches: int = 1, epochs: int = 1
+                          ) -> dict[str, float]:
+        """A run step's update: `epochs` passes over the batch, each in `mini_batches` optimizer steps
+        over equal slices of its rows (the proximal logprobs must already be in the batch when there
+        are several). Metrics: averages over the optimizer steps (sums and maxima where they add up)."""
+        slices = [idx.tolist() for idx in torch.arange(batch.size).chunk(min(mini_batches, batch.size))]
+        plan = [s for _ in range(epochs) for s in slices]
+        if len(plan) == 1:
+            return await self.train_step(batch, "policy", loss_cfg)
+        results = []
+        for i, rows in enumerate(plan):
+            results.append(await self.train_step(batch.select(rows), "policy", loss_cfg, last=i == len(plan) - 1))
+        out: dict[str, float] = {}
+        for key in {k for r in results for k in r}:
+            vals = [r[key] for r in results if key in r]
+            if key in MAXIMAL:
+                out[key] = max(vals)
+            elif is_additive(key) or key == "train/tokens":
+                out[key] = sum(vals) / epochs
+            else:
+                out[key] = sum(vals) / len(vals)
+        out["train/optimizer_steps"] = float(len(plan))
+        out["loss/clip_frac_first"], out["loss/clip_frac_last"] = (results[0].get("loss/clip_frac", 0.0),
+                                                                   results[-1].get("loss/clip_frac", 0.0))
+        return out
+
+    async def skip_step(self) -> dict[str, float]:
+        """Every rank's version and schedule advance without an update (a step with nothing to train)."""
+        return (await asyncio.gather(*[r.skip_step.remote() for r in self.ranks]))[0]
 
     def full_state_dict_on_rank0(self) -> dict[str, torch.Tensor]:
         """The full HF-named weights (a collective over all ranks; rank 0's result)."""

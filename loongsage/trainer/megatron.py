@@ -106,7 +106,8 @@ class MegatronBackend:
 
         def loss_func(idx, mb, ids, output):
             logits = gather_from_tensor_model_parallel_region(output)  # full vocabulary, grads split back
-            scores = score_tokens(logits[:, :-1], ids[:, 1:], self._entropy, None if forward_only else mb.teacher_top_ids)
+            scores = score_tokens(logits[:, :-1], ids[:, 1:], self._entropy, None if forward_only else mb.teacher_top_ids,
+                                  mb.temperatures)
             value = on_scores(idx, mb, scores)
             return value, torch.tensor(1, dtype=torch.int), {}
 
@@ -143,7 +144,8 @@ class MegatronBackend:
         return lps, ents
 
     # ---- training ---------------------------------------------------------------------------
-    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float,
+                   last: bool = True) -> dict[str, float]:
         from megatron.core.distributed import finalize_model_grads
 
         self.model.train()
@@ -168,12 +170,19 @@ class MegatronBackend:
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("Megatron optimizer step failed (non-finite gradients)")
-        self.step_count += 1
-        self.version += 1
+        if last:
+            self.step_count += 1
+            self.version += 1
         out = sums.result()
         out.update({"train/grad_norm": float(grad_norm or 0.0), "train/lr": lr,
                     "train/tokens": float(batch.loss_mask.sum())})
         return out
+
+    def skip_step(self) -> dict[str, float]:
+        lr = self.cfg.lr * lr_factor(self.step_count, self.cfg)  # what this step would have used
+        self.step_count += 1
+        self.version += 1
+        return {"train/lr": lr}
 
     # ---- weights ----------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:

@@ -11,12 +11,12 @@ import torch
 from loongsage.algo import distill
 from loongsage.algo.config import LossConfig
 from loongsage.algo.losses import PolicyInputs, aggregate, policy_loss, sft_loss
-from loongsage.algo.mismatch import train_inference_gap
+from loongsage.algo.mismatch import gap_and_drift
 from loongsage.extensions import resolve
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 
-ADDITIVE = {"loss/policy", "loss/sft"}  # summed over micro-batches and ranks
+ADDITIVE = {"loss/policy", "loss/sft"}  # summed over micro-batches and ranks (and every `.../tokens`)
 MAXIMAL = {"mismatch/max_abs_logprob_diff"}  # maximum over micro-batches and ranks; the rest are averaged
 
 
@@ -42,8 +42,12 @@ class TokenScores:
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
-                 teacher_top_ids: torch.Tensor | None = None) -> TokenScores:
-    logp = torch.log_softmax(logits.float(), dim=-1)
+                 teacher_top_ids: torch.Tensor | None = None, temperatures: torch.Tensor | None = None) -> TokenScores:
+    """Scores under the distribution each token was sampled from: logits / T per position."""
+    logits = logits.float()
+    if temperatures is not None:
+        logits = logits / temperatures.to(logits.device).unsqueeze(-1)
+    logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
     top = None
@@ -83,7 +87,8 @@ def micro_batch_loss(scores: TokenScores, mb: TrainBatch, loss: str, loss_cfg: L
     value = None
     if not (opd.active and opd.gkd_coef == 1.0):  # g = 1: pure distillation, no RL term
         x = PolicyInputs(lp, proximal, behavior, advantages, mask, scores.entropy,
-                         None if mb.ref_logprobs is None else mb.ref_logprobs.to(device))
+                         None if mb.ref_logprobs is None else mb.ref_logprobs.to(device),
+                         None if mb.version_lag is None else mb.version_lag.to(device))
         loss_fn = policy_loss if loss_cfg.policy_loss == "ppo" else resolve(loss_cfg.policy_loss, "policy_loss")
         value, rl_metrics = loss_fn(x, loss_cfg, denominator)
         metrics.update(rl_metrics)
@@ -93,7 +98,7 @@ def micro_batch_loss(scores: TokenScores, mb: TrainBatch, loss: str, loss_cfg: L
         value = gkd * opd.gkd_coef if value is None else (1.0 - opd.gkd_coef) * value + opd.gkd_coef * gkd
     if value is None:
         raise ValueError("algo.loss.distill.gkd_coef = 1 needs teacher scores in the batch (no teacher scored it)")
-    metrics.update(train_inference_gap(behavior, proximal, mask))
+    metrics.update(gap_and_drift(behavior, proximal, mask, mb.version_lag))
     return value, metrics
 
 
@@ -106,8 +111,13 @@ def _divergences(kinds: set[str], scores: TokenScores, mb: TrainBatch, device) -
             for k in kinds}
 
 
+def is_additive(key: str) -> bool:
+    return key in ADDITIVE or key.endswith("/tokens")
+
+
 class MetricSums:
-    """Token-weighted averages over micro-batches (sums for ADDITIVE keys, maxima for MAXIMAL)."""
+    """Token-weighted averages over micro-batches (sums for additive keys, maxima for MAXIMAL). A
+    metric over a subset of the tokens is weighted by its group's `<prefix>/tokens` when given."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
@@ -115,11 +125,13 @@ class MetricSums:
 
     def add(self, metrics: dict[str, float], tokens: float) -> None:
         for k, v in metrics.items():
+            w = metrics.get(k.rsplit("/", 1)[0] + "/tokens", tokens)
             if k in MAXIMAL:
                 self.sums[k] = max(self.sums.get(k, 0.0), v)
             else:
-                self.sums[k] = self.sums.get(k, 0.0) + (v if k in ADDITIVE else v * tokens)
-            self.weights[k] = self.weights.get(k, 0.0) + tokens
+                self.sums[k] = self.sums.get(k, 0.0) + (v if is_additive(k) else v * w)
+            self.weights[k] = self.weights.get(k, 0.0) + w
 
     def result(self) -> dict[str, float]:
-        return {k: (v if k in ADDITIVE | MAXIMAL else v / max(self.weights[k], 1e-9)) for k, v in self.sums.items()}
+        return {k: (v if is_additive(k) or k in MAXIMAL else v / max(self.weights[k], 1e-9))
+                for k, v in self.sums.items()}

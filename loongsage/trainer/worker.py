@@ -88,8 +88,12 @@ class TrainerRank:
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
         return self.backend.compute_logprobs(batch, with_entropy)
 
-    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float) -> dict:
-        return self.backend.train_step(batch, loss, loss_cfg, denominator)
+    def train_step(self, batch: TrainBatch, loss: str, loss_cfg: LossConfig | None, denominator: float,
+                   last: bool = True) -> dict:
+        return self.backend.train_step(batch, loss, loss_cfg, denominator, last)
+
+    def skip_step(self) -> dict:
+        return self.backend.skip_step()
 
     def full_state_dict(self, names: list[str] | None = None):
         return self.backend.full_state_dict(names)

@@ -10,6 +10,7 @@ pause mode, with the one-bucket fast path), and verification as its own step (`v
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -147,6 +148,13 @@ class WeightMesh:
         for n, r in zip(names, results):
             out[f"time/weight_sync_{n}_s"] = r["time/weight_sync_s"]
         return out
+
+    async def relabel(self, version: int) -> dict[str, float]:
+        """A version that changed no weight (a step with nothing to train): every receiver only
+        relabels what it serves; no bytes move and running requests go on."""
+        t0 = time.perf_counter()
+        await asyncio.gather(*[c.update_weight_version(version) for c in self.clients.values()])
+        return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": 0.0}
 
     async def push(self, version: int) -> dict[str, float]:
         return await self.deliver(version, self.begin(version))
