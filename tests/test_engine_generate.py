@@ -221,3 +221,30 @@ def test_engine_freezes_its_long_lived_heap(engine):
     freeze each full collection walked them all, ~200 ms with the GIL held, stalling generation."""
     info = call(engine.url, lambda c: c.server_info())
     assert info["gc_frozen_objects"] > 100_000
+
+
+def test_a_client_that_goes_away_stops_the_engine_work(tmp_path):
+    """A non-streaming request whose client disconnects is aborted on the engine: generated tokens
+    stop growing long before the request could have finished on its own (4000 tokens, ~10 s here)."""
+    from loongsage.models.config import TinyModelSpec
+    from loongsage.models.factory import build_tiny_model
+    from loongsage.rollout.launcher import launch_engine
+
+    model = build_tiny_model(tmp_path / "long", TinyModelSpec(max_position_embeddings=4096))
+    with launch_engine(str(model), extra_args=["--max-running", "4", "--context-length", "4096"]) as ep:
+        def info():
+            return httpx.get(ep.url + "/get_server_info", timeout=5).json()
+
+        body = {"input_ids": [11, 12, 13], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+        try:
+            httpx.post(ep.url + "/generate", json=body, timeout=1.0)
+        except httpx.TimeoutException:
+            pass  # the client gives up and closes its connection
+        started = info()["generated_tokens"]
+        assert 0 < started < 4000
+        deadline = time.time() + 3  # far sooner than 4000 tokens take
+        while info()["running"] and time.time() < deadline:
+            time.sleep(0.1)
+        stopped = info()
+        time.sleep(1.0)
+        assert stopped["running"] == 0 and info()["generated_tokens"] == stopped["generated_tokens"] < 4000

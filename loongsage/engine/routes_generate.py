@@ -18,6 +18,8 @@ from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
 from loongsage.wire import body_of, error, json_response
 
+DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+
 
 def generation_routes(core: EngineCore) -> APIRouter:
     router = APIRouter()
@@ -61,7 +63,13 @@ def generation_routes(core: EngineCore) -> APIRouter:
         results: dict[str, dict] = {}
         try:
             while len(results) < len(seqs):
-                snap = await queue.get()
+                try:
+                    snap = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    # uvicorn does not cancel a handler whose client went away: look, and stop the work
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError from None
+                    continue
                 if snap.finish is not None:
                     results[snap.rid] = render(snap)
         except asyncio.CancelledError:
