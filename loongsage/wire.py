@@ -3,7 +3,10 @@ bodies read with a size limit, one clear 4xx message per client error, responses
 (Protocol *contents* live with their owners: engine/schema.py, each transfer route, the gateway.)"""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import Request
@@ -15,6 +18,32 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 
 class RequestError(ValueError):
     """A client error: answered with HTTP 400 and this message."""
+
+
+DISCONNECT_POLL_S = 0.25  # how often a waiting handler checks that its client is still there
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+async def unless_client_leaves(request: Request, work: Awaitable, poll_s: float = DISCONNECT_POLL_S):
+    """`work`'s result, or ClientGone once the client has disconnected (`work` is cancelled then).
+    uvicorn never cancels a handler whose client left, so without this a finished-with caller keeps
+    an engine generating to max_new_tokens."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 class Strict(BaseModel):

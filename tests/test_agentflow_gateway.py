@@ -276,3 +276,48 @@ def test_loongsage_serve(tool_model, tmp_path):
     (line,) = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert line["session"] == "carol" and line["weight_version"] == 0
     assert len(line["output_ids"]) == len(line["output_logprobs"]) == r.usage.completion_tokens
+
+
+def test_an_agent_that_goes_away_mid_call_stops_the_engine_work(tmp_path):
+    """A black-box agent killed during a model call (its connection closes): the gateway cancels the
+    call and the engine stops generating, long before the 4000 tokens it asked for (~10 s)."""
+    import time
+
+    import httpx
+
+    from loongsage.models.config import TinyModelSpec
+    from loongsage.models.factory import build_tiny_model
+    from loongsage.rollout.launcher import launch_engine
+
+    model = str(build_tiny_model(tmp_path / "long", TinyModelSpec(max_position_embeddings=4096)))
+    with launch_engine(model, extra_args=["--max-running", "4", "--context-length", "4096"]) as ep:
+        def generated() -> tuple[int, int]:
+            info = httpx.get(ep.url + "/get_server_info", timeout=5).json()
+            return info["running"], info["generated_tokens"]
+
+        async def go(gw, server):
+            body = {"model": "policy", "messages": [{"role": "user", "content": "count"}]}
+            async with httpx.AsyncClient() as client:
+                with pytest.raises(httpx.TimeoutException):  # the agent gives up (or is killed)
+                    await client.post(server.base_url + "/chat/completions", json=body, timeout=1.5,
+                                      headers={"Authorization": "Bearer bob"})
+            deadline = time.time() + 3
+            while generated()[0] and time.time() < deadline:
+                await asyncio.sleep(0.1)
+            stopped = generated()
+            await asyncio.sleep(1.0)
+            return stopped, generated()
+        chat = ChatTokens(AutoTokenizer.from_pretrained(model), model)
+        router = Router([ep.url])
+        sampling = {"temperature": 1.0, "max_new_tokens": 4000, "ignore_eos": True}
+
+        async def run_it():
+            gw = Gateway(PolicyLLM(router, chat, sampling), chat, SessionStore(open_keys=True))
+            server = await GatewayServer(gw).start()
+            try:
+                return await go(gw, server)
+            finally:
+                await server.stop()
+                await router.aclose()
+        stopped, later = asyncio.run(run_it())
+    assert stopped[0] == 0 and later[1] == stopped[1] < 4000, (stopped, later)

@@ -24,6 +24,7 @@ from loongsage.agentflow.chat_tokens import ChatTokens
 from loongsage.agentflow.llm import ModelTurn, PolicyLLM
 from loongsage.agentflow.sessions import CallRecorder, Session, SessionStore
 from loongsage.rollout.client import EngineError
+from loongsage.wire import ClientGone, unless_client_leaves
 
 
 class Gateway:
@@ -166,8 +167,10 @@ class Gateway:
             req = O.parse_request(await body_of(request))
             if req.stream:
                 return StreamingResponse(await self.complete_stream(session, req), media_type="text/event-stream")
-            try:
-                turn, prompt_tokens = await self.complete(session, req)
+            try:  # an agent killed mid-call: its model call is cancelled, and with it the engine's work
+                turn, prompt_tokens = await unless_client_leaves(request, self.complete(session, req))
+            except ClientGone:
+                return fail(499, "the client closed the request")
             except EngineError as exc:
                 if 400 <= exc.status < 500:
                     return fail(400, exc.message)

@@ -16,9 +16,7 @@ from fastapi.responses import StreamingResponse
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
-from loongsage.wire import body_of, error, json_response
-
-DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+from loongsage.wire import ClientGone, body_of, error, json_response, unless_client_leaves
 
 
 def generation_routes(core: EngineCore) -> APIRouter:
@@ -61,20 +59,19 @@ def generation_routes(core: EngineCore) -> APIRouter:
             return StreamingResponse(events(), media_type="text/event-stream")
 
         results: dict[str, dict] = {}
-        try:
+
+        async def collect() -> None:
             while len(results) < len(seqs):
-                try:
-                    snap = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    # uvicorn does not cancel a handler whose client went away: look, and stop the work
-                    if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
-                    continue
+                snap = await queue.get()
                 if snap.finish is not None:
                     results[snap.rid] = render(snap)
-        except asyncio.CancelledError:
+        try:
+            await unless_client_leaves(request, collect())
+        except (asyncio.CancelledError, ClientGone) as exc:
             for s in seqs:
                 core.call(core.abort, s.rid, False, "client disconnected")
+            if isinstance(exc, ClientGone):
+                return error(499, "client closed the request")
             raise
         ordered = [results[s.rid] for s in seqs]
         return json_response(ordered[0] if single else ordered)
