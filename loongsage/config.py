@@ -119,7 +119,7 @@ class RunConfig(BaseModel):
         sources = self.sources()
         if len({s.name for s in sources}) != len(sources):
             raise ValueError(f"data_sources: names must be unique (got {[s.name for s in sources]})")
-        parts = self.trainer.data_parallel_size
+        parts = self.trainer.data_parallel_size * self.algo.mini_batches
         for s in sources:
             unknown = sorted(set(s.teachers) - set(names))
             if unknown:
@@ -127,7 +127,8 @@ class RunConfig(BaseModel):
             if len(sources) > 1 and (s.prompts_per_step * s.sampling.n) % parts:
                 raise ValueError(f"data_sources.{s.name}: prompts_per_step x sampling.n = "
                                  f"{s.prompts_per_step * s.sampling.n} samples cannot be split evenly over "
-                                 f"{parts} data-parallel ranks (each rank must get every source in proportion)")
+                                 f"{parts} parts (data-parallel ranks x algo.mini_batches: each must get every "
+                                 "source in proportion)")
         opd = self.algo.loss.distill
         if opd.active and not any(s.teachers for s in sources):
             raise ValueError("algo.loss.distill is on, but no data source names a teacher")

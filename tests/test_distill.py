@@ -15,7 +15,7 @@ import torch
 from helpers import reference_logprobs, run
 from loongsage.algo import distill as D
 from loongsage.algo.config import DistillConfig, LossConfig
-from loongsage.config import load_config
+from loongsage.config import ConfigError, load_config
 from loongsage.controller.bootstrap import base_policy_dir, teacher_bootstrap_config
 from loongsage.controller.sources import stratify
 from loongsage.rollout.client import EngineClient
@@ -128,6 +128,15 @@ def test_invalid_role_combinations_are_config_errors():
         DistillConfig(gkd_coef=0.5, gkd_signal="k1")  # zero-mean gradient on-policy
     assert DistillConfig(gkd_coef=1.0, gkd_signal="full_jsd").needs_top == "full"
     assert DistillConfig(pg_coef=1.0, pg_signal="topk_kl").needs_top == "topk"
+
+
+def test_every_mini_batch_of_every_rank_must_get_each_source_in_proportion():
+    two = ("data_sources=[{name: a, task: {name: arithmetic}, prompts_per_step: 4, sampling: {n: 4}}, "
+           "{name: b, task: {name: reverse}, prompts_per_step: 2, sampling: {n: 4}}]")
+    load_config(None, [two, "algo.mini_batches=2", "trainer.world_size=2"])  # 16 and 8 samples over 4 parts
+    with pytest.raises(ConfigError, match="16 samples cannot be split evenly over 3 parts .data-parallel ranks x "
+                                          "algo.mini_batches"):
+        load_config(None, [two, "algo.mini_batches=3"])
 
 
 def test_a_teacher_bootstrap_rolls_out_like_the_source_it_serves():

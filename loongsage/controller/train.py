@@ -198,7 +198,8 @@ async def _next_batch(step: int, cfg: RunConfig, sources, keep, batch_spec, time
     shard gets every source in proportion, and collated (while the previous step trains)."""
     with timeline.span("controller: wait for batch", f"batch {step}"):
         groups, sampled, dropped = await _take_batch(step, cfg, sources, keep)
-    samples = stratify([s for g in groups for s in g.samples], cfg.trainer.data_parallel_size)
+    # every mini-batch's share of every data-parallel rank gets each source in proportion
+    samples = stratify([s for g in groups for s in g.samples], cfg.trainer.data_parallel_size * cfg.algo.mini_batches)
     if samples and not has_learning_signal(samples, cfg.algo.loss):
         samples = []
     record: dict = {"step": step, "version": step, "samples/trained": len(samples),
