@@ -29,6 +29,12 @@ def tiny_model_b(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def long_model(tmp_path_factory) -> str:
+    """Like `tiny_model` with 4096 positions: a request long enough (~10 s) to be cut short."""
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-long"), TinyModelSpec(max_position_embeddings=4096)))
+
+
+@pytest.fixture(scope="session")
 def engine(tiny_model, tmp_path_factory):
     """May load weight folders from anywhere under the session's temporary folder (the other models)."""
     roots = ["--weight-roots", str(tmp_path_factory.getbasetemp())]

@@ -33,10 +33,10 @@ ROW = TaskRow(prompt=[{"role": "user", "content": "6*7=?"}], answer="42", tag="c
               meta={"expression": "6*7"})
 
 
-async def _with_gateway(url: str, model: str, fn, open_keys=True, record_dir=None, **kw):
+async def _with_gateway(url: str, model: str, fn, open_keys=True, record_dir=None, sampling=GREEDY, **kw):
     chat = ChatTokens(AutoTokenizer.from_pretrained(model), model)
     router = Router([url])
-    gw = Gateway(PolicyLLM(router, chat, GREEDY), chat, SessionStore(open_keys=open_keys),
+    gw = Gateway(PolicyLLM(router, chat, sampling), chat, SessionStore(open_keys=open_keys),
                  recorder=CallRecorder(record_dir) if record_dir else None, **kw)
     server = await GatewayServer(gw).start()
     try:
@@ -278,19 +278,16 @@ def test_loongsage_serve(tool_model, tmp_path):
     assert len(line["output_ids"]) == len(line["output_logprobs"]) == r.usage.completion_tokens
 
 
-def test_an_agent_that_goes_away_mid_call_stops_the_engine_work(tmp_path):
+def test_an_agent_that_goes_away_mid_call_stops_the_engine_work(long_model):
     """A black-box agent killed during a model call (its connection closes): the gateway cancels the
     call and the engine stops generating, long before the 4000 tokens it asked for (~10 s)."""
     import time
 
     import httpx
 
-    from loongsage.models.config import TinyModelSpec
-    from loongsage.models.factory import build_tiny_model
     from loongsage.rollout.launcher import launch_engine
 
-    model = str(build_tiny_model(tmp_path / "long", TinyModelSpec(max_position_embeddings=4096)))
-    with launch_engine(model, extra_args=["--max-running", "4", "--context-length", "4096"]) as ep:
+    with launch_engine(long_model, extra_args=["--max-running", "4", "--context-length", "4096"]) as ep:
         def generated() -> tuple[int, int]:
             info = httpx.get(ep.url + "/get_server_info", timeout=5).json()
             return info["running"], info["generated_tokens"]
@@ -307,17 +304,6 @@ def test_an_agent_that_goes_away_mid_call_stops_the_engine_work(tmp_path):
             stopped = generated()
             await asyncio.sleep(1.0)
             return stopped, generated()
-        chat = ChatTokens(AutoTokenizer.from_pretrained(model), model)
-        router = Router([ep.url])
-        sampling = {"temperature": 1.0, "max_new_tokens": 4000, "ignore_eos": True}
-
-        async def run_it():
-            gw = Gateway(PolicyLLM(router, chat, sampling), chat, SessionStore(open_keys=True))
-            server = await GatewayServer(gw).start()
-            try:
-                return await go(gw, server)
-            finally:
-                await server.stop()
-                await router.aclose()
-        stopped, later = asyncio.run(run_it())
+        stopped, later = asyncio.run(_with_gateway(ep.url, long_model, go, sampling={
+            "temperature": 1.0, "max_new_tokens": 4000, "ignore_eos": True}))
     assert stopped[0] == 0 and later[1] == stopped[1] < 4000, (stopped, later)

@@ -223,15 +223,12 @@ def test_engine_freezes_its_long_lived_heap(engine):
     assert info["gc_frozen_objects"] > 100_000
 
 
-def test_a_client_that_goes_away_stops_the_engine_work(tmp_path):
+def test_a_client_that_goes_away_stops_the_engine_work(long_model):
     """A non-streaming request whose client disconnects is aborted on the engine: generated tokens
     stop growing long before the request could have finished on its own (4000 tokens, ~10 s here)."""
-    from loongsage.models.config import TinyModelSpec
-    from loongsage.models.factory import build_tiny_model
     from loongsage.rollout.launcher import launch_engine
 
-    model = build_tiny_model(tmp_path / "long", TinyModelSpec(max_position_embeddings=4096))
-    with launch_engine(str(model), extra_args=["--max-running", "4", "--context-length", "4096"]) as ep:
+    with launch_engine(long_model, extra_args=["--max-running", "4", "--context-length", "4096"]) as ep:
         def info():
             return httpx.get(ep.url + "/get_server_info", timeout=5).json()
 

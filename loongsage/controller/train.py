@@ -226,18 +226,18 @@ async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, o
                  timeline: Timeline) -> dict:
     record, batch, samples = prepared
     t_train = time.perf_counter()
+    # null unless the trainer measures them: nothing trained, or no token of version step - 1
+    record.update({"mismatch/kl": None, "mismatch/abs_logprob_diff": None})
     if batch is not None:
         if cfg.algo.needs_proximal_pass:  # otherwise the update's own forward gives them (and the gap)
             batch.proximal_logprobs, _ = await rt.trainers.compute_logprobs(batch)
         if rt.reference is not None:
             batch.ref_logprobs, _ = await rt.reference.compute_logprobs(batch)
-        record.update({"mismatch/kl": None, "mismatch/abs_logprob_diff": None})  # null: no token of version step - 1
         record.update(await rt.trainers.train_steps(batch, cfg.algo.loss, cfg.algo.mini_batches, cfg.algo.epochs))
         record.update(_staleness_metrics(step, samples))
     else:  # no learning signal arrived: no update (the gap is not measured); version and schedule advance
         record.update(await rt.trainers.skip_step())
-        record.update({"staleness/mean": 0.0, "staleness/max": 0.0, "mismatch/kl": None,
-                       "mismatch/abs_logprob_diff": None})
+        record.update({"staleness/mean": 0.0, "staleness/max": 0.0})
     record["time/train_s"] = time.perf_counter() - t_train
     timeline.add("trainer: train", f"train {step}", t_train, time.perf_counter())
     return record

@@ -37,6 +37,10 @@ def generation_routes(core: EngineCore) -> APIRouter:
         t0 = time.perf_counter()
         core.submit(seqs)
 
+        def abort_all() -> None:
+            for s in seqs:
+                core.call(core.abort, s.rid, False, "client disconnected")
+
         def render(snap: SeqSnapshot) -> dict:
             return _render(snap, seqs[index[snap.rid]], core, req.return_text_in_logprobs, time.perf_counter() - t0)
 
@@ -54,8 +58,7 @@ def generation_routes(core: EngineCore) -> APIRouter:
                     yield "data: [DONE]\n\n"
                 finally:
                     if done < len(seqs):
-                        for s in seqs:
-                            core.call(core.abort, s.rid, False, "client disconnected")
+                        abort_all()
             return StreamingResponse(events(), media_type="text/event-stream")
 
         results: dict[str, dict] = {}
@@ -68,8 +71,7 @@ def generation_routes(core: EngineCore) -> APIRouter:
         try:
             await unless_client_leaves(request, collect())
         except (asyncio.CancelledError, ClientGone) as exc:
-            for s in seqs:
-                core.call(core.abort, s.rid, False, "client disconnected")
+            abort_all()
             if isinstance(exc, ClientGone):
                 return error(499, "client closed the request")
             raise

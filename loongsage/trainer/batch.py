@@ -95,35 +95,34 @@ def collate(samples: list[Sample], pad_id: int, teachers: list[str] | None = Non
     B = len(samples)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention = torch.zeros((B, L), dtype=torch.long)
-    loss_mask = torch.zeros((B, L - 1))
-    behavior = torch.zeros((B, L - 1))
-    adv = torch.zeros((B, L - 1))
     for i, s in enumerate(samples):
         ids = s.prompt_ids + s.response_ids
         input_ids[i, : len(ids)] = torch.tensor(ids)
         attention[i, : len(ids)] = 1
-        lo, hi = len(s.prompt_ids) - 1, len(ids) - 1
-        if s.response_ids:
-            loss_mask[i, lo:hi] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            behavior[i, lo:hi] = torch.tensor(s.behavior_logprobs, dtype=torch.float32)
-            adv[i, lo:hi] = s.advantage
-    batch = TrainBatch(input_ids, attention, loss_mask, behavior, adv)
+
+    def columns(values, fill: float = 0.0) -> torch.Tensor:
+        return _response_columns(samples, L - 1, values, fill)
+    batch = TrainBatch(input_ids, attention, columns(lambda s: s.loss_mask), columns(lambda s: s.behavior_logprobs),
+                       columns(lambda s: [s.advantage] * len(s.response_ids)))
     if trained_version is not None:
-        batch.version_lag = torch.zeros((B, L - 1))
-        for i, s in enumerate(samples):
-            if s.response_ids:
-                lo = len(s.prompt_ids) - 1
-                lags = version_lags(s.versions, trained_version)
-                batch.version_lag[i, lo: lo + len(s.response_ids)] = torch.tensor(lags, dtype=torch.float32)
+        batch.version_lag = columns(lambda s: version_lags(s.versions, trained_version))
     if any(s.temperatures is not None for s in samples):
-        batch.temperatures = torch.ones((B, L - 1))
-        for i, s in enumerate(samples):
-            if s.temperatures is not None and s.response_ids:
-                lo = len(s.prompt_ids) - 1
-                batch.temperatures[i, lo: lo + len(s.response_ids)] = torch.tensor(s.temperatures, dtype=torch.float32)
+        batch.temperatures = columns(lambda s: s.temperatures, fill=1.0)
     if teachers:
         _teacher_tensors(batch, samples, teachers, top_k)
     return batch
+
+
+def _response_columns(samples: list[Sample], width: int, values, fill: float) -> torch.Tensor:
+    """[B, width] float: row i holds `values(samples[i])` (one per response token, or None) in the
+    columns that score those tokens, `fill` everywhere else."""
+    out = torch.full((len(samples), width), fill)
+    for i, s in enumerate(samples):
+        v = values(s)
+        if v is not None and s.response_ids:
+            lo = len(s.prompt_ids) - 1
+            out[i, lo: lo + len(s.response_ids)] = torch.tensor(v, dtype=torch.float32)
+    return out
 
 
 def version_lags(versions: list[int], trained_version: int) -> list[int]:

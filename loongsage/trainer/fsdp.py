@@ -87,19 +87,21 @@ class FSDPBackend:
             grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        if last:
-            self.scheduler.step()
-            self.version += 1
+        lr = self._end_step() if last else self.scheduler.get_last_lr()[0]
         out = sums.result()
         out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": float(batch.loss_mask.sum())})
         return out
 
     def skip_step(self) -> dict[str, float]:
-        lr = self.scheduler.get_last_lr()[0]  # what this step would have used
+        return {"train/lr": self._end_step()}
+
+    def _end_step(self) -> float:
+        """The run step is over (trained or skipped): schedule and version advance; returns the
+        learning rate the step used."""
+        lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.version += 1
-        return {"train/lr": lr}
+        return lr
 
     # ---- weights ----------------------------------------------------------------------------
     def full_state_dict(self, names: list[str] | None = None) -> dict[str, torch.Tensor] | None:

@@ -11,7 +11,7 @@ from loongsage.cluster.actors import stop_actors
 from loongsage.extensions import search_path
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
-from loongsage.trainer.step import MAXIMAL, is_additive
+from loongsage.trainer.step import combine_metrics
 from loongsage.trainer.worker import TrainerRank
 from loongsage.transfer.tensor_handles import SHM_PREFIX
 
@@ -61,15 +61,7 @@ class TrainerGroup:
         denominator = batch.num_tokens if (loss_cfg is None or loss_cfg.aggregation == "token_mean") else batch.num_sequences
         per_rank = await asyncio.gather(*[r.train_step.remote(s, loss, loss_cfg, max(denominator, 1.0), last)
                                           for r, s in zip(self.ranks, self._rank_shards(batch))])
-        per_rank = self._replica_leads(per_rank)
-        out = {}
-        for key in per_rank[0]:
-            vals = [m[key] for m in per_rank if key in m]
-            if key in MAXIMAL:
-                out[key] = max(vals)
-            else:
-                out[key] = sum(vals) if is_additive(key) or key == "train/tokens" else sum(vals) / len(vals)
-        return out
+        return combine_metrics(self._replica_leads(per_rank))
 
     async def train_steps(self, batch: TrainBatch, loss_cfg: LossConfig, mini_batches: int = 1, epochs: int = 1
                           ) -> dict[str, float]:
@@ -83,15 +75,7 @@ class TrainerGroup:
         results = []
         for i, rows in enumerate(plan):
             results.append(await self.train_step(batch.select(rows), "policy", loss_cfg, last=i == len(plan) - 1))
-        out: dict[str, float] = {}
-        for key in {k for r in results for k in r}:
-            vals = [r[key] for r in results if key in r]
-            if key in MAXIMAL:
-                out[key] = max(vals)
-            elif is_additive(key) or key == "train/tokens":
-                out[key] = sum(vals) / epochs
-            else:
-                out[key] = sum(vals) / len(vals)
+        out = combine_metrics(results, additive_divisor=epochs)
         out["train/optimizer_steps"] = float(len(plan))
         out["loss/clip_frac_first"], out["loss/clip_frac_last"] = (results[0].get("loss/clip_frac", 0.0),
                                                                    results[-1].get("loss/clip_frac", 0.0))

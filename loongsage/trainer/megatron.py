@@ -164,25 +164,31 @@ class MegatronBackend:
         # params each tensor-parallel rank sees only in part (Qwen3's per-head q/k norms), plus tied
         # embeddings across pipeline stages.
         finalize_model_grads([self.model])
-        lr = self.cfg.lr * lr_factor(self.step_count, self.cfg)
+        lr = self._lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("Megatron optimizer step failed (non-finite gradients)")
         if last:
-            self.step_count += 1
-            self.version += 1
+            self._end_step()
         out = sums.result()
         out.update({"train/grad_norm": float(grad_norm or 0.0), "train/lr": lr,
                     "train/tokens": float(batch.loss_mask.sum())})
         return out
 
     def skip_step(self) -> dict[str, float]:
-        lr = self.cfg.lr * lr_factor(self.step_count, self.cfg)  # what this step would have used
+        lr = self._lr()  # what this step would have used
+        self._end_step()
+        return {"train/lr": lr}
+
+    def _lr(self) -> float:
+        return self.cfg.lr * lr_factor(self.step_count, self.cfg)
+
+    def _end_step(self) -> None:
+        """The run step is over (trained or skipped): schedule and version advance."""
         self.step_count += 1
         self.version += 1
-        return {"train/lr": lr}
 
     # ---- weights ----------------------------------------------------------------------------
     def _local_state(self) -> dict[str, torch.Tensor]:

@@ -115,6 +115,22 @@ def is_additive(key: str) -> bool:
     return key in ADDITIVE or key.endswith("/tokens")
 
 
+def combine_metrics(parts: list[dict[str, float]], additive_divisor: float = 1.0) -> dict[str, float]:
+    """Metrics of several parts of one update (ranks, or mini-batches) as one: maxima for MAXIMAL
+    keys, sums for additive ones and `train/tokens` (divided by `additive_divisor`: epochs, which see
+    the same tokens again), plain means for the rest; every key any part reported."""
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for part in parts for k in part):
+        vals = [part[key] for part in parts if key in part]
+        if key in MAXIMAL:
+            out[key] = max(vals)
+        elif is_additive(key) or key == "train/tokens":
+            out[key] = sum(vals) / additive_divisor
+        else:
+            out[key] = sum(vals) / len(vals)
+    return out
+
+
 class MetricSums:
     """Token-weighted averages over micro-batches (sums for additive keys, maxima for MAXIMAL). A
     metric over a subset of the tokens is weighted by its group's `<prefix>/tokens` when given."""
