@@ -23,7 +23,7 @@ class Sample:
     versions: list[int]  # per response token: policy version that produced it (-1: not generated)
     reward: float = 0.0
     tag: str = "default"
-    status: str = "ok"  # ok | truncated | failed
+    status: str = "ok"  # ok | truncated | failed | aborted (by the system)
     reason: str = ""
     group: int = 0  # samples of the same prompt share a group (GRPO)
     advantage: float = 0.0
@@ -63,7 +63,8 @@ class Group:
     samples: list[Sample]
     rewards: list[float]
     tag: str = "default"
-    failed: int = 0  # rollouts that failed (crash, timeout, aborted)
+    failed: int = 0  # rollouts the agent failed (crash, timeout, exit code, no answer)
+    aborted: int = 0  # rollouts the inference system failed (rollout/resume.py): the group is not trained
     stats: dict[str, float] = field(default_factory=dict)  # summed agent counters (turns, tool calls, ...)
     source: str = "default"  # the data source it came from
 

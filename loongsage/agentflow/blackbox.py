@@ -3,7 +3,8 @@
 The episode's task arrives on stdin as JSON ({"messages", "tools", "meta"}); OPENAI_BASE_URL and
 OPENAI_API_KEY point the program's SDK at its own gateway session; its final answer is the last
 non-empty line it prints. A crash, a hang (wall-clock timeout; the process group is killed) or no
-model call at all gives a failed trajectory with the reason; the run goes on.
+model call at all gives a failed trajectory with the reason; the run goes on. An episode in which
+the gateway saw the inference system fail a call is `aborted` instead (not scored, not trained).
 
 Python agents can be started from a fork server that has their heavy imports done (`agent.preload`):
 same process contract, a fraction of the start-up CPU.
@@ -135,7 +136,10 @@ class BlackBoxRunner:
         traj.chains = session.chains
         traj.info = {"turns": session.calls, "tool_calls": sum(r["tool_calls"] for r in session.records),
                      "malformed_tool_calls": session.malformed_tool_calls, "calls": session.calls,
-                     "later_calls": max(0, session.calls - 1), "drifted_calls": max(0, session.calls - 1 - session.extended)}
+                     "later_calls": max(0, session.calls - 1), "drifted_calls": max(0, session.calls - 1 - session.extended),
+                     "resumed_calls": session.resumed_calls}
+        if session.system_errors:  # whatever the agent did after, the system failed it first
+            return traj.abort(session.system_errors[0])
         if traj.status == "failed":
             return traj
         if code != 0:

@@ -18,6 +18,7 @@ from loongsage.agentflow.llm import ModelTurn, PolicyLLM
 from loongsage.agentflow.toolcalls import ToolCall
 from loongsage.agentflow.tools import ToolRegistry
 from loongsage.agentflow.trajectory import Chain, Trajectory
+from loongsage.rollout.resume import system_failure
 from loongsage.tasks.base import TaskRow, TaskSpec
 
 
@@ -26,7 +27,9 @@ class AgentLimitReached(RuntimeError):
 
 
 class GenerationAborted(RuntimeError):
-    """The engine aborted the request (the rollout was cancelled)."""
+    """The inference system failed the model call: the engine aborted it and no continuation saved
+    it (`rollout/resume.py`), or the engine erred or could not be reached. The episode is the
+    system's failure (`aborted`), not the agent's, even if the agent catches this."""
 
 
 class AgentContext:
@@ -74,7 +77,14 @@ class AgentContext:
         if budget <= 0:
             raise AgentLimitReached(f"max_tokens={self.limits.max_tokens} reached")
         cap = min(budget, int(sampling.pop("max_new_tokens", self.llm.sampling.get("max_new_tokens", budget))))
-        turn = await self.llm.generate(chain.ids, {**sampling, "max_new_tokens": cap}, session=self.session)
+        try:
+            turn = await self.llm.generate(chain.ids, {**sampling, "max_new_tokens": cap}, session=self.session)
+        except Exception as exc:
+            why = system_failure(exc)
+            if why is None:
+                raise
+            self.trajectory.abort(why)
+            raise GenerationAborted(why) from exc
         self.turns += 1
         chain.add_model_turn(turn.output_ids, turn.logprobs, turn.versions, turn.temperature)
         chain.messages.append(turn.message())
@@ -82,10 +92,12 @@ class AgentContext:
         info = self.trajectory.info
         info["turns"] = self.turns
         info["malformed_tool_calls"] = info.get("malformed_tool_calls", 0) + turn.parsed.malformed
-        if turn.finish == "length":
+        info["resumed_calls"] = info.get("resumed_calls", 0) + bool(turn.resumed)
+        if turn.finish == "abort":
+            self.trajectory.abort("the engine aborted the model call (no continuation left)")
+            raise GenerationAborted(self.trajectory.reason)
+        if turn.finish == "length" and self.trajectory.status == "ok":
             self.trajectory.status = "truncated"
-        elif turn.finish == "abort":
-            raise GenerationAborted("the engine aborted the request")
         return turn
 
     async def run_tools(self, calls: list[ToolCall]) -> list[dict]:
@@ -115,12 +127,15 @@ async def run_episode(agent: AgentFn, ctx: AgentContext, row: TaskRow, spec: Tas
             ctx.start(row.prompt, row.tools if row.tools is not None else ctx.tools.specs())
         answer = await asyncio.wait_for(agent(ctx, row), ctx.limits.timeout_s)
     except AgentLimitReached as exc:
-        traj.status, traj.reason = "truncated", str(exc)
+        if traj.status != "aborted":
+            traj.status, traj.reason = "truncated", str(exc)
         answer = next((m.get("content") or "" for m in reversed(ctx.messages) if m["role"] == "assistant"), "")
     except asyncio.TimeoutError:
-        return traj.fail(f"timeout: episode longer than {ctx.limits.timeout_s}s")
-    except Exception as exc:  # the agent's own bug: the run goes on
-        return traj.fail(f"agent raised {type(exc).__name__}: {exc}")
+        return traj if traj.status == "aborted" else traj.fail(f"timeout: episode longer than {ctx.limits.timeout_s}s")
+    except Exception as exc:  # the agent's own bug (or the system's, then already marked): the run goes on
+        return traj if traj.status == "aborted" else traj.fail(f"agent raised {type(exc).__name__}: {exc}")
+    if traj.status == "aborted":  # the agent caught GenerationAborted and went on: still not scored
+        return traj
     if isinstance(answer, (int, float)) and not isinstance(answer, bool) and ctx.reward is None:
         ctx.reward = float(answer)
         answer = ""

@@ -4,7 +4,9 @@ Any program that speaks the OpenAI API (with tools) talks to its own session; th
 request into token ids (extending the session's held ids when the request continues an earlier
 call), samples through the router, parses tool calls, records the exact ids / logprobs / versions,
 and answers in OpenAI's format (streamed as it is generated, when asked). Bad input is a 4xx with
-one clear message, never a 5xx.
+one clear message, never a 5xx. A call the inference system fails (an abort no continuation saved,
+an engine error, an engine gone) is a 502/503 to the agent and is noted in the session, so the
+episode is the system's failure, not the agent's (`rollout/resume.py`).
 """
 from __future__ import annotations
 
@@ -24,7 +26,19 @@ from loongsage.agentflow.chat_tokens import ChatTokens
 from loongsage.agentflow.llm import ModelTurn, PolicyLLM
 from loongsage.agentflow.sessions import CallRecorder, Session, SessionStore
 from loongsage.rollout.client import EngineError
+from loongsage.rollout.resume import system_failure
 from loongsage.wire import ClientGone, unless_client_leaves
+
+
+class SystemFailed(RuntimeError):
+    """The inference system failed a call (noted in the session): 503 for an abort, else 502."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.message, self.status = message, status
+
+
+ABORTED = "the inference engine aborted the call (a system abort, not the agent's doing)"
 
 
 class Gateway:
@@ -65,6 +79,7 @@ class Gateway:
         chain.messages.append(turn.message())
         chain.last_stop = turn.stopped_with
         session.calls += 1
+        session.resumed_calls += bool(turn.resumed)
         session.extended += extends
         session.malformed_tool_calls += turn.parsed.malformed
         record = {"session": session.name, "call": session.calls - 1, "chain": session.chains.index(chain),
@@ -82,8 +97,17 @@ class Gateway:
         session.busy.add(id(chain))
         try:
             turn = await self.llm.generate(prompt, self._sampling(req, session), session=f"gw-{session.name}")
+        except Exception as exc:
+            why = system_failure(exc)
+            if why is None:
+                raise
+            session.system_errors.append(why)
+            raise SystemFailed(why, 502) from exc
         finally:
             session.busy.discard(id(chain))
+        if turn.finish == "abort":
+            session.system_errors.append(ABORTED)
+            raise SystemFailed(ABORTED, 503)
         self._commit(session, chain, extends, prompt, turn)
         return turn, len(prompt)
 
@@ -105,12 +129,22 @@ class Gateway:
                     if len(show) > sent:
                         yield enc.delta({"content": show[sent:]})
                         sent = len(show)
-            except EngineError as exc:
-                yield enc.error(f"inference engine error: {exc.message}")
+            except Exception as exc:
+                why = system_failure(exc)
+                if why is None and not isinstance(exc, EngineError):
+                    raise
+                if why is not None:
+                    session.system_errors.append(why)
+                yield enc.error(why or f"inference engine error: {exc.message}")
                 yield enc.DONE
                 return
             finally:
                 session.busy.discard(id(chain))
+            if turn.finish == "abort":
+                session.system_errors.append(ABORTED)
+                yield enc.error(ABORTED)
+                yield enc.DONE
+                return
             self._commit(session, chain, extends, prompt, turn)
             for chunk in enc.tool_calls(turn):
                 yield chunk
@@ -171,6 +205,8 @@ class Gateway:
                 turn, prompt_tokens = await unless_client_leaves(request, self.complete(session, req))
             except ClientGone:
                 return fail(499, "the client closed the request")
+            except SystemFailed as exc:
+                return fail(exc.status, exc.message, "api_error")
             except EngineError as exc:
                 if 400 <= exc.status < 500:
                     return fail(400, exc.message)

@@ -22,6 +22,7 @@ class ModelTurn:
     weight_version: int
     stopped_with: int | None = None  # the end-of-turn token that ended it (None: cut short or a stop string)
     temperature: float = 1.0  # the distribution its logprobs are of (see sample.scoring_temperature)
+    resumed: int = 0  # continuations after system aborts (rollout/resume.py)
 
     def message(self) -> dict:
         """The OpenAI assistant message this turn is."""
@@ -61,4 +62,4 @@ class PolicyLLM:
         stop = last if out.finish_type == "stop" and last in self.chat.stop_ids else None
         return ModelTurn(list(out.output_ids), list(out.output_logprobs or []), out.versions, text,
                          parse_tool_calls(text), out.finish_type, out.weight_version, stop,
-                         scoring_temperature(params.get("temperature")))
+                         scoring_temperature(params.get("temperature")), out.resumed)

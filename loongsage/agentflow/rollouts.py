@@ -19,7 +19,7 @@ from loongsage.rollout.single_turn import RolloutSetup, SingleTurnRollout, accur
 from loongsage.sample import Group
 from loongsage.tasks.base import TaskRow
 
-_COUNTERS = ("turns", "tool_calls", "malformed_tool_calls", "later_calls", "drifted_calls")
+_COUNTERS = ("turns", "tool_calls", "malformed_tool_calls", "later_calls", "drifted_calls", "resumed_calls")
 
 
 class _EpisodeRollout:
@@ -43,10 +43,12 @@ class _EpisodeRollout:
         trajs = await asyncio.gather(*[self.episode(row, f"{group_session(gid)}-r{j}", self.sampling)
                                        for j in range(n)])
         samples = [s for j, t in enumerate(trajs) for s in t.to_samples(gid, j, row.tag)]
-        stats = Counter({"rollouts": n, "failed": sum(t.status == "failed" for t in trajs)})
+        stats = Counter({"rollouts": n, "failed": sum(t.status == "failed" for t in trajs),
+                         "aborted": sum(t.status == "aborted" for t in trajs)})
         for t in trajs:
             stats.update({k: t.info[k] for k in _COUNTERS if k in t.info})
-        return Group(samples, [t.reward for t in trajs], row.tag, failed=stats["failed"], stats=dict(stats))
+        return Group(samples, [t.reward for t in trajs], row.tag, failed=stats["failed"], aborted=stats["aborted"],
+                     stats=dict(stats))
 
     async def cancel(self, gid: int) -> int:
         """Aborts the group's requests in flight on the engines that hold them."""
@@ -54,11 +56,13 @@ class _EpisodeRollout:
 
     async def evaluate(self, rows: list[TaskRow], temperature: float = 0.0) -> dict[str, float]:
         """Held-out success: one episode per row (greedy unless a temperature is given), scored by the
-        task's verifier; a failed episode scores 0."""
+        task's verifier; a failed or aborted episode scores 0 (`eval/aborted` says how many the system
+        failed)."""
         trajs = await asyncio.gather(*[self.episode(r, f"eval-{i}", {**self.sampling, "temperature": temperature})
                                        for i, r in enumerate(rows)])
-        out = accuracy_by_tag(rows, [t.reward if t.status != "failed" else 0.0 for t in trajs])
+        out = accuracy_by_tag(rows, [t.reward if t.status in ("ok", "truncated") else 0.0 for t in trajs])
         out["eval/failed"] = sum(t.status == "failed" for t in trajs) / len(trajs)
+        out["eval/aborted"] = sum(t.status == "aborted" for t in trajs) / len(trajs)
         return out
 
 

@@ -29,6 +29,8 @@ class Session:
     malformed_tool_calls: int = 0
     busy: set[int] = field(default_factory=set)  # ids of chains with a call in flight
     sampling: dict[str, Any] | None = None  # overrides the gateway's policy sampling (e.g. greedy evaluation)
+    system_errors: list[str] = field(default_factory=list)  # calls the inference system failed (not the agent)
+    resumed_calls: int = 0  # calls continued after a system abort (rollout/resume.py)
 
     def place(self, chat: ChatTokens, messages: list[dict], tools: list[dict] | None) -> tuple[Chain, bool]:
         """The chain this call generates on (extended by the new messages), and whether it extends one."""

@@ -56,13 +56,19 @@ class Chain:
 class Trajectory:
     chains: list[Chain] = field(default_factory=list)
     reward: float = 0.0
-    status: str = "ok"  # ok | truncated | failed
+    status: str = "ok"  # ok | truncated | failed (the agent's doing) | aborted (the system's: never scored)
     reason: str = ""
     answer: str = ""
     info: dict[str, Any] = field(default_factory=dict)  # turns, tool_calls, malformed_tool_calls, ...
 
     def fail(self, reason: str) -> Trajectory:
         self.status, self.reason, self.reward = "failed", reason, 0.0
+        return self
+
+    def abort(self, reason: str) -> Trajectory:
+        """The inference system failed the episode (an abort no continuation saved, an engine
+        error): its group is not trained, whatever the agent did next."""
+        self.status, self.reason, self.reward = "aborted", reason, 0.0
         return self
 
     def to_samples(self, group: int, rollout: int, tag: str) -> list[Sample]:

@@ -4,7 +4,10 @@ It admits a prompt whenever the buffer has room, runs its group (n samples + rew
 task, and puts the outcome into the buffer (finished, failed or cancelled): it only puts, the
 controller only takes. At a weight update the controller asks it to cancel in-flight groups that
 can no longer be trained in time: their requests are aborted on the engines that hold them, their
-tasks cancelled; partial work is counted, not trained.
+tasks cancelled; partial work is counted, not trained. A group the inference system failed (a
+rollout `aborted`, or the group raised an engine error) is never trained nor scored as the agent's
+failure: it is counted (`samples/aborted_by_system`, per rollout) and its prompt's slot goes to a
+new group.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import time
 
 from loongsage.buffer import SampleBuffer
 from loongsage.controller.sampler import PromptSampler
+from loongsage.rollout.resume import system_failure
 from loongsage.timeline import Timeline
 
 log = logging.getLogger("loongsage.producer")
@@ -56,6 +60,13 @@ class RolloutProducer:
         self.busy = BusyClock(timeline)
         self.cancelling: set[int] = set()
         self._tasks: dict[int, asyncio.Task] = {}
+        self.counts = {"aborted_by_system": 0, "resumed_after_abort": 0}  # since the last `take_counts`
+
+    def take_counts(self) -> dict[str, int]:
+        """Rollouts the system aborted (masked) and model calls continued after an abort, since the
+        last call."""
+        out, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        return out
 
     async def run(self) -> None:
         while True:
@@ -76,7 +87,8 @@ class RolloutProducer:
                 s.source = self.source
             self.busy.stop()
             stopped = True
-            if self.after_group is not None and seq not in self.cancelling and not (group.failed and self.mask_failures):
+            self.counts["resumed_after_abort"] += group.stats.get("resumed_calls", 0)
+            if self.after_group is not None and seq not in self.cancelling and not self._masked(group):
                 await self.after_group(group)
         except asyncio.CancelledError:  # cancelled at a weight update (or the run is stopping)
             self.cancelling.discard(seq)
@@ -84,6 +96,8 @@ class RolloutProducer:
             raise
         except Exception as exc:  # a broken request must not stop the run
             log.warning("group %d of %s failed: %s", seq, self.source, exc)
+            if system_failure(exc) is not None:
+                self.counts["aborted_by_system"] += self.n
             self.buffer.fail(seq)
             return
         finally:
@@ -92,10 +106,14 @@ class RolloutProducer:
         if seq in self.cancelling:
             self.cancelling.discard(seq)
             self.buffer.cancel(seq)
-        elif group.failed and self.mask_failures:
+        elif self._masked(group):
+            self.counts["aborted_by_system"] += group.aborted
             self.buffer.fail(seq)
         else:
             self.buffer.put(seq, group)
+
+    def _masked(self, group) -> bool:
+        return bool(group.aborted or (group.failed and self.mask_failures))
 
     async def cancel_too_old(self) -> int:
         """Stops in-flight groups that would be out of the window at the next step."""

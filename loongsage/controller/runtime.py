@@ -90,7 +90,7 @@ class Runtime:
             if temp_dir:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             raise
-        router = Router([], clients=[client(u) for u in engines.urls])
+        router = Router([], clients=[client(u) for u in engines.urls], abort_retries=rollout.abort_retries)
         return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix)
 
     async def close(self) -> None:

@@ -205,6 +205,9 @@ async def _next_batch(step: int, cfg: RunConfig, sources, keep, batch_spec, time
     record: dict = {"step": step, "version": step, "samples/trained": len(samples),
                     "samples/dropped_stale": dropped, "samples/filtered_groups": len(sampled) - len(groups),
                     "train/skipped_no_signal": float(not samples)}
+    for src in sources:  # the system's aborts: masked rollouts, and model calls it continued
+        for name, n in src.producer.take_counts().items():
+            record[f"samples/{name}"] = record.get(f"samples/{name}", 0) + n
     record.update(_reward_metrics(sampled))
     record.update(_agent_metrics(sampled))
     record.update(source_metrics([src.name for src in sources], sampled, samples))

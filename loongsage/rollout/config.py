@@ -54,6 +54,8 @@ class RolloutConfig(BaseModel):
     max_inflight_groups: int | None = Field(None, ge=1, description="default: (k + 1) * prompts_per_step")
     pause_mode: str = Field("in_place", pattern="^(in_place|retract|abort|none)$",
                             description="how engines hold in-flight requests during a weight update")
+    abort_retries: int = Field(2, ge=0, description="times a request the system aborted (not cancelled) is continued "
+                               "from its tokens so far; still aborted, its group is masked (samples/aborted_by_system)")
     weight_bucket_mb: float = Field(64.0, gt=0)
     window: WindowStrategyName = Field("staleness", description="staleness: take finished groups as they finish; "
                                        "windowed_fifo: only within B of the oldest uncollected group; or module:attr "

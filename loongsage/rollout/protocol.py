@@ -21,6 +21,7 @@ class GenerateOutput:
     cached_tokens: int
     weight_version: int
     input_top: list[list[tuple[float, int]] | None] | None = None  # per input position: top (logprob, id)
+    resumed: int = 0  # times the router continued it after a system abort (rollout/resume.py)
 
     @property
     def finish_type(self) -> str:

@@ -39,6 +39,9 @@ class RolloutSetup:
     extra: dict = field(default_factory=dict)
 
 
+_STATUS = {"length": "truncated", "abort": "aborted"}  # an abort the router could not continue: the system's
+
+
 class SingleTurnRollout:
     def __init__(self, setup: RolloutSetup):
         self.router, self.tok, self.spec = setup.router, setup.tokenizer, setup.spec
@@ -59,9 +62,10 @@ class SingleTurnRollout:
         samples = [Sample(
             prompt_ids=ids, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids),
             behavior_logprobs=o.output_logprobs, versions=o.versions, reward=self.spec.reward(o.text, row),
-            tag=row.tag, status="truncated" if o.finish_type == "length" else ("failed" if o.finish_type == "abort" else "ok"),
+            tag=row.tag, status=_STATUS.get(o.finish_type, "ok"),
             group=gid, text=o.text, temperatures=None if temp == 1.0 else [temp] * len(o.output_ids)) for o in outs]
-        return Group(samples, [s.reward for s in samples], row.tag, failed=sum(s.status == "failed" for s in samples))
+        return Group(samples, [s.reward for s in samples], row.tag, aborted=sum(s.status == "aborted" for s in samples),
+                     stats={"resumed_calls": sum(o.resumed > 0 for o in outs)})
 
     async def cancel(self, gid: int) -> int:
         return await self.router.abort_where(lambda s: in_group(s, gid))
