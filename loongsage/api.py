@@ -102,10 +102,12 @@ class Rollout(Protocol):
     async def stop(self) -> None:
         """Release it; no group runs afterwards."""
 
-    async def group(self, row: TaskRow, n: int, gid: int) -> Group:
+    async def group(self, row: TaskRow, n: int, gid: int, seed: int | None = None) -> Group:
         """n rollouts of `row` as one group (samples with exact token ids, behaviour logprobs, per-token
         versions, rewards). Route every model call with a session of the group (`g<gid>`, or
-        `g<gid>-...`: `rollout.single_turn.group_session`) so that `cancel` can find it."""
+        `g<gid>-...`: `rollout.single_turn.group_session`) so that `cancel` can find it. `seed`
+        (optional parameter): the prompt instance's sampling seed, so that a resumed run samples
+        what the interrupted one would have."""
 
     async def cancel(self, gid: int) -> int:
         """Abort the group's requests in flight on the engines that hold them; returns how many."""

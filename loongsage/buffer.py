@@ -54,6 +54,15 @@ class SampleBuffer:
     def buffered(self) -> int:
         return len(self._ready)
 
+    def unsettled(self) -> set[int]:
+        """Groups running or finished and not yet taken (what a checkpoint must draw again)."""
+        return set(self.state.running) | set(self._ready)
+
+    def resume_at(self, version: int) -> None:
+        """A resumed run at `version`: the groups of the steps before count as accepted and trained."""
+        self.state.version, self.state.accepted = version, version * self.state.batch_groups
+        self.trained = version * self.state.batch_groups
+
     def capacity(self) -> int:
         """How many more groups may be admitted now."""
         return self.strategy.capacity(self.state)

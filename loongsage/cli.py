@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _engine(ns: argparse.Namespace) -> None:
@@ -53,8 +54,15 @@ def _train(ns: argparse.Namespace) -> None:
     from loongsage.controller.train import train
     from loongsage.plot import plot_run
 
-    config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
-    summary = asyncio.run(train(load_config(config, overrides)))
+    if ns.resume:  # the run's own resolved config; overrides (e.g. more train.steps) still apply
+        if ns.config is not None and "=" not in ns.config:
+            raise SystemExit("loongsage train --resume RUN_DIR: give no CONFIG (the run's config.yaml is used)")
+        config, overrides = str(Path(ns.resume) / "config.yaml"), [*_split_config(ns, "")[1], f"run_dir={ns.resume}"]
+        if not Path(config).is_file():
+            raise SystemExit(f"--resume {ns.resume}: no config.yaml there (not a run directory)")
+    else:
+        config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
+    summary = asyncio.run(train(load_config(config, overrides), resume=bool(ns.resume)))
     png = plot_run(summary["run_dir"])
     print(f"held-out accuracy {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}; curves: {png}")
 
@@ -213,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text, description=text + ". CONFIG is a recipe YAML; key=value overrides follow.")
         c.add_argument("config", nargs="?", default=None, help="recipe YAML (default recipes/arith_grpo.yaml)")
         c.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 trainer.lr=1e-4")
+        if name == "train":
+            c.add_argument("--resume", metavar="RUN_DIR", default=None,
+                           help="continue RUN_DIR from its last complete checkpoint (its config.yaml; overrides apply)")
         c.set_defaults(fn=fn)
 
     pl = sub.add_parser("plot", help="write a PNG of reward, held-out accuracy and train-inference gap",

@@ -67,6 +67,7 @@ class Group:
     aborted: int = 0  # rollouts the inference system failed (rollout/resume.py): the group is not trained
     stats: dict[str, float] = field(default_factory=dict)  # summed agent counters (turns, tool calls, ...)
     source: str = "default"  # the data source it came from
+    seq: int = -1  # its admission number in its source's buffer (set by the producer)
 
     @property
     def min_version(self) -> int:

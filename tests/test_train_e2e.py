@@ -114,3 +114,44 @@ def test_steps_with_nothing_to_train_advance_version_and_schedule_and_send_no_we
     start = load_file(str(next((tmp_path / "models").glob("*/model.safetensors"))))
     end = load_file(str(final / "model.safetensors"))
     assert all(torch.equal(start[k], end[k]) for k in start)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_as_if_never_stopped(ray_session, tmp_path, shared):
+    """A synchronous run of 4 steps checkpoints at step 2; the same run cut there (what a crash
+    after step 2 leaves: checkpoint step_2 named by the tracker, metrics to step 2) and resumed
+    with `--resume`'s path gives the same steps 3 and 4 (same prompts, same seeded samples: seeded_sampling, same
+    optimizer state) and the same final weights, to float tolerance."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from loongsage.controller.checkpoint import latest_checkpoint
+
+    common = EASY + shared[0] + ["rollout.dynamic_sampling=false", "rollout.seeded_sampling=true", "train.steps=4", "train.eval_every=2",
+                                 "train.save_every=2", "trainer.threads=1", "rollout.engine_threads=1"]
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    asyncio.run(train(load_config("recipes/arith_grpo.yaml", common + [f"run_dir={full}"])))
+    assert latest_checkpoint(full).name == "final"
+    (cut / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "config.yaml", cut / "config.yaml")
+    shutil.copytree(full / "checkpoints" / "step_2", cut / "checkpoints" / "step_2")
+    (cut / "checkpoints" / "latest").write_text("step_2\n")
+    (cut / "metrics.jsonl").write_text("".join(line for line in (full / "metrics.jsonl").read_text().splitlines(True)
+                                               if json.loads(line)["step"] <= 2))
+    summary = asyncio.run(train(load_config(str(cut / "config.yaml"), [f"run_dir={cut}"]), resume=True))
+
+    a = [r for r in read_metrics(full) if r["step"] > 0 and "reward/mean" in r]
+    b = [r for r in read_metrics(cut) if r["step"] > 0 and "reward/mean" in r]
+    assert [r["step"] for r in b] == [1, 2, 3, 4] and summary["eval_before"] == read_metrics(full)[0]["eval/accuracy"]
+    compared = ["reward/mean", "samples/trained", "train/lr", "eval/accuracy"] + [k for k in a[2] if k.startswith("loss/")]
+    for ra, rb in zip(a[2:], b[2:]):
+        assert rb["version"] == ra["version"]
+        for k in compared:
+            if k in ra:
+                assert rb[k] == pytest.approx(ra[k], abs=1e-5), (ra["step"], k, ra[k], rb[k])
+    wa = load_file(str(full / "checkpoints" / "final" / "model.safetensors"))
+    wb = load_file(str(cut / "checkpoints" / "final" / "model.safetensors"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+    assert torch.load(cut / "checkpoints" / "final" / "trainer_state.pt", weights_only=False)["version"] == 4

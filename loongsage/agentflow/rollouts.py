@@ -39,7 +39,8 @@ class _EpisodeRollout:
     async def episode(self, row: TaskRow, name: str, sampling: dict) -> Trajectory:
         raise NotImplementedError
 
-    async def group(self, row: TaskRow, n: int, gid: int) -> Group:
+    async def group(self, row: TaskRow, n: int, gid: int, seed: int | None = None) -> Group:
+        """(`seed` is not used: an episode makes several calls, and one seed each would correlate them.)"""
         trajs = await asyncio.gather(*[self.episode(row, f"{group_session(gid)}-r{j}", self.sampling)
                                        for j in range(n)])
         samples = [s for j, t in enumerate(trajs) for s in t.to_samples(gid, j, row.tag)]

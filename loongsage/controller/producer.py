@@ -12,6 +12,7 @@ new group.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 
@@ -50,17 +51,33 @@ class BusyClock:
 
 class RolloutProducer:
     def __init__(self, rollout, sampler: PromptSampler, buffer: SampleBuffer, n: int, mask_failures: bool = True,
-                 timeline: Timeline | None = None, source: str = "default", after_group=None):
+                 timeline: Timeline | None = None, source: str = "default", after_group=None, seed: int | None = None):
         """`rollout`: an `api.Rollout` (group / cancel); `mask_failures`: a group with a failed
         sample is not trained (single-turn aborts, or agent.on_failure=mask); `source`: the data
         source its groups are marked with; `after_group`: an async step each finished group goes
-        through before it is buffered (the teachers' scoring), still inside the group's task."""
+        through before it is buffered (the teachers' scoring), still inside the group's task; `seed`:
+        the source's base of the per-prompt sampling seeds (None: unseeded)."""
         self.rollout, self.sampler, self.buffer = rollout, sampler, buffer
         self.n, self.mask_failures, self.source, self.after_group = n, mask_failures, source, after_group
         self.busy = BusyClock(timeline)
         self.cancelling: set[int] = set()
         self._tasks: dict[int, asyncio.Task] = {}
         self.counts = {"aborted_by_system": 0, "resumed_after_abort": 0}  # since the last `take_counts`
+        self.seed = seed
+        self._seeded = seed is not None and "seed" in inspect.signature(rollout.group).parameters
+        self.cursor_of: dict[int, int] = {}  # seq -> the sampler cursor of its prompt (groups not settled)
+
+    def resume_cursor(self, taken: set[int] = frozenset()) -> int:
+        """Where a resumed run's sampler starts: the prompt of the oldest group neither trained nor
+        settled otherwise (running, buffered, or `taken` for a batch not trained yet: it is drawn
+        again), else the next prompt."""
+        pending = self.buffer.unsettled() | set(taken)
+        self.cursor_of = {seq: c for seq, c in self.cursor_of.items() if seq in pending}
+        return min(self.cursor_of.values(), default=self.sampler.taken)
+
+    def group_seed(self, cursor: int) -> int | None:
+        """The sampling seed of prompt instance `cursor` (sample j of its group: seed + j)."""
+        return None if not self._seeded else (self.seed * 1_000_003 + cursor * 1024) % 2**31
 
     def take_counts(self) -> dict[str, int]:
         """Rollouts the system aborted (masked) and model calls continued after an abort, since the
@@ -71,18 +88,22 @@ class RolloutProducer:
     async def run(self) -> None:
         while True:
             await self.buffer.wait_for_room()
-            row = self.sampler.take(1)[0]
+            row, cursor = self.sampler.take(1)[0], self.sampler.taken - 1
             seq = self.buffer.admit()
-            task = asyncio.create_task(self._one(seq, row))
+            self.cursor_of[seq] = cursor
+            if len(self.cursor_of) > 4 * self.buffer.state.batch_groups + 1000:
+                self.resume_cursor()  # forgets the settled ones
+            task = asyncio.create_task(self._one(seq, row, self.group_seed(cursor)))
             self._tasks[seq] = task
             task.add_done_callback(lambda _, s=seq: self._tasks.pop(s, None))
 
-    async def _one(self, seq: int, row) -> None:
+    async def _one(self, seq: int, row, seed: int | None = None) -> None:
         self.busy.start()
         stopped = False
         try:
-            group = await self.rollout.group(row, self.n, seq)
-            group.source = self.source
+            group = await (self.rollout.group(row, self.n, seq, seed=seed) if seed is not None
+                           else self.rollout.group(row, self.n, seq))
+            group.source, group.seq = self.source, seq
             for s in group.samples:
                 s.source = self.source
             self.busy.stop()

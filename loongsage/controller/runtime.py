@@ -49,7 +49,9 @@ class Runtime:
     @classmethod
     async def start(cls, model_dir: str, trainer: TrainerConfig, engine: EngineConfig, rollout: RolloutConfig,
                     ray_cfg: RayConfig, with_reference: bool = False,
-                    transfer: TransferConfig | None = None) -> Runtime:
+                    transfer: TransferConfig | None = None, reference_dir: str | None = None) -> Runtime:
+        """`model_dir`: the policy the trainer and engines start from; `reference_dir`: the KL
+        reference's weights (default: the same)."""
         started = init_ray(ray_cfg)
         trainers = engines = reference = None
         transfer = transfer or TransferConfig()
@@ -64,7 +66,8 @@ class Runtime:
             parts = await asyncio.gather(
                 asyncio.to_thread(TrainerGroup, trainer, model_dir, shm_prefix),
                 asyncio.to_thread(EngineGroup, model_dir, engine, rollout, shm_prefix, (disk_dir,)),
-                *([asyncio.to_thread(TrainerGroup, trainer, model_dir, shm_prefix)] if with_reference else []),
+                *([asyncio.to_thread(TrainerGroup, trainer, reference_dir or model_dir, shm_prefix)]
+                  if with_reference else []),
                 return_exceptions=True)
             trainers, engines = (p if not isinstance(p, BaseException) else None for p in parts[:2])
             reference = parts[2] if with_reference and not isinstance(parts[2], BaseException) else None

@@ -45,7 +45,8 @@ def start_sources(cfg, router, tokenizer, model_dir: str, timeline=None, after_g
         mask_failures = src.agent.kind == "single_turn" or src.agent.on_failure == "mask"
         producer = RolloutProducer(rollout, PromptSampler(train_rows, cfg.seed + i), buffer, src.sampling.n,
                                    mask_failures, timeline, source=src.name,
-                                   after_group=None if after_group is None else _bound(after_group, src))
+                                   after_group=None if after_group is None else _bound(after_group, src),
+                                   seed=cfg.seed * 101 + i if cfg.rollout.seeded_sampling else None)
         runs.append(SourceRun(src.name, src, rollout, buffer, producer,
                               eval_rows[: src.eval_size or cfg.train.eval_size or len(eval_rows)]))
     return runs

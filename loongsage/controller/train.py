@@ -40,9 +40,10 @@ from loongsage.algo import advantages as adv
 from loongsage.algo.config import LossConfig
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy, teacher_models
+from loongsage.controller.checkpoint import controller_state, latest_checkpoint, read_state, save_checkpoint
 from loongsage.controller.runtime import Runtime
 from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
-from loongsage.metrics import MetricsWriter
+from loongsage.metrics import MetricsWriter, read_metrics
 from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
 from loongsage.tasks.base import task_spec
@@ -51,16 +52,20 @@ from loongsage.timeline import Timeline
 from loongsage.trainer.batch import collate
 
 
-async def train(cfg: RunConfig) -> dict:
+async def train(cfg: RunConfig, resume: bool = False) -> dict:
+    """`resume`: continue `cfg.run_dir` from its last complete checkpoint (`controller/checkpoint.py`)."""
     console = Console()
     run_dir = cfg.resolve_run_dir()
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    state = read_state(ckpt, cfg) if ckpt else None
     dump_config(cfg, run_dir / "config.yaml")
     base = await ensure_base_policy(cfg, console)
     teacher_dirs = await teacher_models(cfg, str(base), console) if cfg.teachers else []
     t_start = time.perf_counter()  # wall clock from here includes start-up (Ray, engines), not the bootstraps
     tok = AutoTokenizer.from_pretrained(base)
-    rt = await Runtime.start(str(base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
-                             with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer)
+    rt = await Runtime.start(str(ckpt or base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
+                             with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer, reference_dir=str(base))
+    start = 0 if state is None else state.step
     metrics = MetricsWriter(run_dir)
     timeline = Timeline()
     teachers = sources = None
@@ -79,19 +84,22 @@ async def train(cfg: RunConfig) -> dict:
         summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
         for src in sources:
             await src.rollout.start()
-        t_eval = time.perf_counter()
-        first = await evaluate_sources(sources, cfg.train.eval_temperature)
-        metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
-                       "time/elapsed_s": time.perf_counter() - t_start})
+        if state is None:
+            t_eval = time.perf_counter()
+            first = await evaluate_sources(sources, cfg.train.eval_temperature)
+            metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
+                           "time/elapsed_s": time.perf_counter() - t_start})
+        else:  # trainer state, engine version, samplers and windows as the checkpoint left them
+            first = await _resume(state, ckpt, rt, sources, run_dir, console)
         summary["eval_before"] = first["eval/accuracy"]
         console.print(f"held-out accuracy before training: {first['eval/accuracy']:.3f}")
         producing = [asyncio.create_task(src.producer.run()) for src in sources]
         clock = _Clock([src.producer.busy for src in sources], t_start, teachers)
         # `pending`: (record, weight-update task) of the step whose weights are in flight
         with _progress(console) as bar:
-            task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0)
-            upcoming = asyncio.create_task(_next_batch(1, cfg, sources, keep, batch_spec, timeline))
-            for step in range(1, cfg.train.steps + 1):
+            task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0, completed=start)
+            upcoming = asyncio.create_task(_next_batch(start + 1, cfg, sources, keep, batch_spec, timeline))
+            for step in range(start + 1, cfg.train.steps + 1):
                 training = asyncio.create_task(_train(step, cfg, rt, await upcoming, timeline))  # overlaps `pending`
                 if step < cfg.train.steps:  # batch step + 1 is taken and collated while this step trains
                     upcoming = asyncio.create_task(_next_batch(step + 1, cfg, sources, keep, batch_spec, timeline))
@@ -111,7 +119,8 @@ async def train(cfg: RunConfig) -> dict:
                         record["time/eval_s"] = time.perf_counter() - t_eval
                     _finish(record, clock, metrics, bar, task)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
-                        await rt.trainers.save(str(run_dir / "checkpoints" / f"step_{step}"))
+                        await _checkpoint(f"step_{step}", step, cfg, rt, sources, run_dir,
+                                          upcoming if step < cfg.train.steps else None)
                 if out_of_time:
                     console.print(f"stopping: train.max_minutes={cfg.train.max_minutes} reached at step {step}")
                     break
@@ -119,12 +128,14 @@ async def train(cfg: RunConfig) -> dict:
                     console.print(f"stopping: held-out accuracy {record['eval/accuracy']:.3f} reached "
                                   f"train.target_accuracy={cfg.train.target_accuracy} at step {step}")
                     break
+        if step < cfg.train.steps:  # stopped early: the next batch is not trained
+            upcoming.cancel()
+        await _checkpoint("final", step, cfg, rt, sources, run_dir, upcoming if step < cfg.train.steps else None)
         await _stop_producers(producing, sources)  # the engines are free for the final evaluation
         producing = []
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
             record = {"step": step, "version": step, **await evaluate_sources(sources, cfg.train.eval_temperature)}
             metrics.write(record)
-        await rt.trainers.save(str(run_dir / "checkpoints" / "final"))
         summary.update(eval_after=record["eval/accuracy"], steps=step, train_seconds=time.perf_counter() - t_start)
         summary["sources"] = await source_summary(cfg, sources, first, record, teachers, tok, teacher_dirs)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -146,6 +157,32 @@ async def train(cfg: RunConfig) -> dict:
         if cfg.train.controller_cpu_affinity and cores is not None:
             os.sched_setaffinity(0, cores)
     return summary
+
+
+async def _checkpoint(name: str, step: int, cfg: RunConfig, rt: Runtime, sources, run_dir, upcoming) -> None:
+    """Checkpoint `name` at `step` (its weights are on the engines). `upcoming`: the next batch's
+    task, or None; it is waited for (generation goes on meanwhile) so that its groups, taken but
+    not trained, are drawn again on resume; cancelled, they go back to the buffers."""
+    taken: dict[str, set[int]] = {}
+    if upcoming is not None and not upcoming.cancelled():
+        try:
+            taken = (await upcoming)[3]
+        except asyncio.CancelledError:
+            if not upcoming.cancelled():  # this task itself is being cancelled
+                raise
+    await save_checkpoint(run_dir, name, controller_state(step, cfg, sources, taken), rt.trainers)
+
+
+async def _resume(state, ckpt, rt: Runtime, sources, run_dir, console: Console) -> dict:
+    """Trainer state from `ckpt`, the engines' weights relabelled to its step, each source's sampler
+    at its cursor and window at its version; returns the run's first evaluation (step 0)."""
+    await rt.trainers.load(str(ckpt))
+    await rt.sync.relabel(state.step)
+    for src in sources:
+        src.producer.sampler.skip_to(state.cursors[src.name])
+        src.buffer.resume_at(state.step)
+    console.print(f"resuming {run_dir} at step {state.step} from {ckpt.name}")
+    return next(r for r in read_metrics(run_dir) if r["step"] == 0)
 
 
 async def _stop_producers(producing: list[asyncio.Task], sources) -> None:
@@ -213,7 +250,10 @@ async def _next_batch(step: int, cfg: RunConfig, sources, keep, batch_spec, time
     record.update(source_metrics([src.name for src in sources], sampled, samples))
     pad, teachers, top_k = batch_spec
     batch = collate(samples, pad, teachers, top_k, trained_version=step - 1) if samples else None
-    return record, batch, samples
+    seqs = defaultdict(set)  # the groups taken: not trained until this batch is (checkpoints)
+    for g in groups:
+        seqs[g.source].add(g.seq)
+    return record, batch, samples, seqs
 
 
 def has_learning_signal(samples: list[Sample], loss: LossConfig) -> bool:
@@ -227,7 +267,7 @@ def has_learning_signal(samples: list[Sample], loss: LossConfig) -> bool:
 
 async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, object, list[Sample]],
                  timeline: Timeline) -> dict:
-    record, batch, samples = prepared
+    record, batch, samples, _ = prepared
     t_train = time.perf_counter()
     # null unless the trainer measures them: nothing trained, or no token of version step - 1
     record.update({"mismatch/kl": None, "mismatch/abs_logprob_diff": None})

@@ -29,6 +29,7 @@ def continuation_params(params: dict, done: int) -> dict | None:
     if limit - done <= 0:
         return None
     rest = {**params, "n": 1, "max_new_tokens": limit - done}
+    rest.pop("sampling_seed", None)  # the seed's noise would start over (and be shared by the n samples)
     if params.get("min_new_tokens"):
         rest["min_new_tokens"] = max(0, int(params["min_new_tokens"]) - done)
     return rest

@@ -53,11 +53,11 @@ class SingleTurnRollout:
     async def stop(self) -> None:
         return None
 
-    async def group(self, row: TaskRow, n: int, gid: int) -> Group:
+    async def group(self, row: TaskRow, n: int, gid: int, seed: int | None = None) -> Group:
         ids = prompt_ids(self.tok, row)
         session = group_session(gid)
-        outs = await self.router.generate(ids, {**self.sampling, "n": n}, session=session, return_logprob=True,
-                                          rid=session)
+        params = {**self.sampling, "n": n, **({} if seed is None else {"sampling_seed": seed})}  # sample j: seed + j
+        outs = await self.router.generate(ids, params, session=session, return_logprob=True, rid=session)
         temp = scoring_temperature(self.sampling.get("temperature"))
         samples = [Sample(
             prompt_ids=ids, response_ids=o.output_ids, loss_mask=[1] * len(o.output_ids),
