@@ -41,6 +41,7 @@ class SampleBuffer:
         self._next_seq = 0
         self._changed = asyncio.Event()
         self.dropped_stale = self.cancelled = self.failed = self.discarded = self.trained = 0
+        self.on_settle: Callable[[int, str], None] | None = None  # (seq, "dropped_stale" | "filtered")
 
     # ---- views ------------------------------------------------------------------------------
     @property
@@ -53,10 +54,6 @@ class SampleBuffer:
 
     def buffered(self) -> int:
         return len(self._ready)
-
-    def unsettled(self) -> set[int]:
-        """Groups running or finished and not yet taken (what a checkpoint must draw again)."""
-        return set(self.state.running) | set(self._ready)
 
     def resume_at(self, version: int) -> None:
         """A resumed run at `version`: the groups of the steps before count as accepted and trained."""
@@ -143,10 +140,12 @@ class SampleBuffer:
                     self.state.accepted -= 1
                     self.dropped_stale += 1
                     dropped += len(group.samples)
+                    self._settled(seq, "dropped_stale")
                 elif not informative(group):
                     self.state.accepted -= 1
                     self.discarded += 1
                     sampled.append(group)
+                    self._settled(seq, "filtered")
                 else:
                     kept.append((seq, group))
                     sampled.append(group)
@@ -172,6 +171,10 @@ class SampleBuffer:
         """The new version is on the engines: v -> v + 1."""
         self.state.version += 1
         self._poke()
+
+    def _settled(self, seq: int, fate: str) -> None:
+        if self.on_settle is not None:
+            self.on_settle(seq, fate)
 
     def _poke(self) -> None:
         self._changed.set()

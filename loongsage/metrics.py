@@ -48,6 +48,15 @@ class MetricsWriter:
             self._tb.close()
 
 
+def truncate_metrics(run_dir: str | Path, step: int) -> None:
+    """Keeps the records of steps up to `step` (a resume from that step's checkpoint redoes the rest)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    kept = [line for line in path.read_text().splitlines(True) if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():

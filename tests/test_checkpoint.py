@@ -82,3 +82,25 @@ def test_a_sampler_skipped_to_a_cursor_continues_as_the_original():
     assert [r.prompt for r in original.take(9)] == [r.prompt for r in resumed.take(9)]
     with pytest.raises(ValueError, match="cannot go back"):
         resumed.skip_to(5)
+
+
+def test_a_resume_removes_the_shared_buffers_of_the_attempt_that_died(tmp_path):
+    """The run records its /dev/shm prefix; a later start removes that prefix's files (a killed
+    controller's trainer ranks never free theirs) and nothing else, whatever the record says."""
+    from loongsage.controller.runtime import SHM_RECORD, record_shm_prefix, remove_crashed_shm
+
+    ours = [Path("/dev/shm") / f"loongsage-0badc0de-{i}" for i in range(2)]
+    other = Path("/dev/shm") / "loongsage-0badc0df-0"
+    try:
+        for f in ours + [other]:
+            f.write_bytes(b"x")
+        for hostile in ("loongsage-", "loongsage-0badc0d*-", "../tmp/x", "loongsage-0badc0df-/../x"):
+            (tmp_path / SHM_RECORD).write_text(hostile)
+            assert remove_crashed_shm(tmp_path) == 0
+        record_shm_prefix(tmp_path, "loongsage-0badc0de-")
+        assert remove_crashed_shm(tmp_path) == 2
+        assert not any(f.exists() for f in ours) and other.exists() and not (tmp_path / SHM_RECORD).exists()
+        assert remove_crashed_shm(tmp_path) == 0  # no record: nothing to do
+    finally:
+        for f in ours + [other]:
+            f.unlink(missing_ok=True)

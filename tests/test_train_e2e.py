@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
 
@@ -119,7 +120,7 @@ def test_steps_with_nothing_to_train_advance_version_and_schedule_and_send_no_we
 @pytest.mark.slow
 def test_a_resumed_run_continues_as_if_never_stopped(ray_session, tmp_path, shared):
     """A synchronous run of 4 steps checkpoints at step 2; the same run cut there (what a crash
-    after step 2 leaves: checkpoint step_2 named by the tracker, metrics to step 2) and resumed
+    after step 2 leaves: checkpoint step_2 named by the tracker, later metrics and ledger lines) and resumed
     with `--resume`'s path gives the same steps 3 and 4 (same prompts, same seeded samples: seeded_sampling, same
     optimizer state) and the same final weights, to float tolerance."""
     import shutil
@@ -128,9 +129,10 @@ def test_a_resumed_run_continues_as_if_never_stopped(ray_session, tmp_path, shar
     from safetensors.torch import load_file
 
     from loongsage.controller.checkpoint import latest_checkpoint
+    from loongsage.controller.ledger import read_ledger
 
-    common = EASY + shared[0] + ["rollout.dynamic_sampling=false", "rollout.seeded_sampling=true", "train.steps=4", "train.eval_every=2",
-                                 "train.save_every=2", "trainer.threads=1", "rollout.engine_threads=1"]
+    common = EASY + shared[0] + ["rollout.dynamic_sampling=false", "rollout.seeded_sampling=true", "train.steps=4",
+                                 "train.eval_every=2", "train.save_every=2", "trainer.threads=1", "rollout.engine_threads=1"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     asyncio.run(train(load_config("recipes/arith_grpo.yaml", common + [f"run_dir={full}"])))
     assert latest_checkpoint(full).name == "final"
@@ -138,8 +140,8 @@ def test_a_resumed_run_continues_as_if_never_stopped(ray_session, tmp_path, shar
     shutil.copy(full / "config.yaml", cut / "config.yaml")
     shutil.copytree(full / "checkpoints" / "step_2", cut / "checkpoints" / "step_2")
     (cut / "checkpoints" / "latest").write_text("step_2\n")
-    (cut / "metrics.jsonl").write_text("".join(line for line in (full / "metrics.jsonl").read_text().splitlines(True)
-                                               if json.loads(line)["step"] <= 2))
+    for name in ("metrics.jsonl", "prompts.jsonl"):  # written on after the checkpoint: the resume cuts them back
+        shutil.copy(full / name, cut / name)
     summary = asyncio.run(train(load_config(str(cut / "config.yaml"), [f"run_dir={cut}"]), resume=True))
 
     a = [r for r in read_metrics(full) if r["step"] > 0 and "reward/mean" in r]
@@ -155,3 +157,74 @@ def test_a_resumed_run_continues_as_if_never_stopped(ray_session, tmp_path, shar
     wb = load_file(str(cut / "checkpoints" / "final" / "model.safetensors"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
     assert torch.load(cut / "checkpoints" / "final" / "trainer_state.pt", weights_only=False)["version"] == 4
+    la, lb = read_ledger(full / "prompts.jsonl"), read_ledger(cut / "prompts.jsonl")
+    assert [(x["cursor"], x["fate"], x["step"]) for x in la if x["fate"] == "trained"] == \
+        [(x["cursor"], x["fate"], x["step"]) for x in lb if x["fate"] == "trained"]
+    assert sorted(x["cursor"] for x in lb) == list(range(len(lb)))  # every prompt drawn has one fate
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args and "pytest" not in args:
+            out.append(args)
+    return out
+
+
+@pytest.mark.slow
+def test_an_async_run_killed_and_resumed_settles_every_prompt_once(ray_session, tmp_path, shared):
+    """`loongsage train` (k = 1) is SIGKILLed once its step-4 checkpoint is complete, then
+    `loongsage train --resume`: the ledger gives every prompt drawn exactly one fate, what it calls
+    trained is what the metrics trained, each step is in the metrics once, and nothing of the killed
+    run is left running."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from loongsage.controller.ledger import read_ledger
+
+    run = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))
+    # each command starts its own local Ray, in its own session: SIGKILL to the session ends it all
+    cfg = EASY + shared[0] + [f"run_dir={run}", "rollout.max_staleness=1", "train.steps=8", "train.save_every=2",
+                                     "train.eval_every=8", "trainer.threads=1", "rollout.engine_threads=1"]
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "loongsage.cli", "train", "recipes/arith_grpo.yaml", *cfg],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    tracker, deadline = run / "checkpoints" / "latest", time.time() + 900
+    while not (tracker.is_file() and tracker.read_text().strip() == "step_4"):
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    base = shared[1] / "base"
+    deadline = time.time() + 60
+    while _processes_mentioning(str(base)) and time.time() < deadline:  # the engine of the killed run
+        time.sleep(0.5)
+    assert not _processes_mentioning(str(base))
+    killed_prefix = (run / "shm_prefix").read_text()
+    resumed = subprocess.run([sys.executable, "-m", "loongsage.cli", "train", "--resume", str(run)],
+                             capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at step 4 from step_4" in " ".join(resumed.stdout.split())
+
+    steps = [r for r in read_metrics(run) if r["step"] > 0 and "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert all(r["staleness/max"] <= 1 for r in steps)
+    ledger = read_ledger(run / "prompts.jsonl")
+    cursors = sorted(x["cursor"] for x in ledger)
+    assert cursors == list(range(len(ledger)))  # every prompt drawn: one fate, none lost, none twice
+    trained = [x for x in ledger if x["fate"] == "trained"]
+    assert len(trained) * 8 == sum(r["samples/trained"] for r in steps)  # n = 8 samples per prompt
+    assert {x["step"] for x in trained} == set(range(1, 9))
+    assert not _processes_mentioning(str(run))
+    deadline = time.time() + 30  # the resumed run's own buffers go as its actors exit, just after it
+    while set(os.listdir("/dev/shm")) - shm_before and time.time() < deadline:
+        time.sleep(0.5)
+    assert not set(os.listdir("/dev/shm")) - shm_before, killed_prefix  # the killed run's removed by the resume

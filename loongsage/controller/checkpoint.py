@@ -10,17 +10,18 @@ A checkpoint is written under `<name>.partial` and renamed when complete, and on
 force and a `.partial` folder nobody reads.
 
 `controller.json` holds the step and, per data source, the sampler cursor to draw from on resume:
-the prompt of the oldest group that was neither trained nor settled at the checkpoint (groups
-generating, buffered, or taken for the next batch are drawn again, with the same per-prompt
-sampling seeds, so a synchronous run resumes into the same samples); and the teachers the run had
-(a resume with other teachers is refused).
+the prompt of the oldest group without a fate at the checkpoint (groups generating, buffered, or
+taken for the next batch are drawn again, with the same per-prompt sampling seeds when seeded, so a
+synchronous run resumes into the same samples) and the later cursors that had one (not drawn
+again); the prompt ledger's length (`controller/ledger.py`); and the teachers the run had (a resume
+with other teachers is refused).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 TRACKER = "latest"
@@ -32,6 +33,8 @@ class ControllerState:
     cursors: dict[str, int]  # data source -> sampler cursor to resume from
     teachers: list[str]
     seed: int
+    ledger_lines: int = 0  # prompts.jsonl lines at the checkpoint
+    settled: dict[str, list[int]] = field(default_factory=dict)  # source -> cursors past its resume cursor with a fate
 
 
 async def save_checkpoint(run_dir: Path, name: str, state: ControllerState, trainers) -> Path:
@@ -76,11 +79,12 @@ def read_state(ckpt: Path, cfg) -> ControllerState:
     return state
 
 
-def controller_state(step: int, cfg, sources, taken_seqs: dict[str, set[int]]) -> ControllerState:
-    """The state to save at `step`: `taken_seqs`, per source, groups taken for the next batch but
-    not trained yet (drawn again on resume, like those still in the buffer)."""
-    return ControllerState(step, {src.name: src.producer.resume_cursor(taken_seqs.get(src.name, set()))
-                                  for src in sources}, [t.name for t in cfg.teachers], cfg.seed)
+def controller_state(step: int, cfg, sources, ledger) -> ControllerState:
+    """The state to save at `step` (the ledger synced to disk first: its lines are the checkpoint's)."""
+    ledger.sync()
+    cursors = {src.name: src.producer.resume_cursor() for src in sources}
+    return ControllerState(step, cursors, [t.name for t in cfg.teachers], cfg.seed, ledger.lines,
+                           {name: ledger.settled_from(name, c) for name, c in cursors.items()})
 
 
 def _write_atomic(path: Path, text: str) -> None:

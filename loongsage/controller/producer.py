@@ -65,14 +65,20 @@ class RolloutProducer:
         self.counts = {"aborted_by_system": 0, "resumed_after_abort": 0}  # since the last `take_counts`
         self.seed = seed
         self._seeded = seed is not None and "seed" in inspect.signature(rollout.group).parameters
-        self.cursor_of: dict[int, int] = {}  # seq -> the sampler cursor of its prompt (groups not settled)
+        self.cursor_of: dict[int, int] = {}  # seq -> the sampler cursor of its prompt, until its fate
+        self.ledger = None  # a PromptLedger (controller/ledger.py), or None
+        self.skip: set[int] = set()  # cursors settled before the checkpoint a resumed run started from
+        buffer.on_settle = self.settle  # evicted stale, or filtered when taken
 
-    def resume_cursor(self, taken: set[int] = frozenset()) -> int:
-        """Where a resumed run's sampler starts: the prompt of the oldest group neither trained nor
-        settled otherwise (running, buffered, or `taken` for a batch not trained yet: it is drawn
-        again), else the next prompt."""
-        pending = self.buffer.unsettled() | set(taken)
-        self.cursor_of = {seq: c for seq, c in self.cursor_of.items() if seq in pending}
+    def settle(self, seq: int, fate: str, step: int | None = None) -> None:
+        """Group `seq` met its fate (ledger.FATES) at `step` (default: the current version)."""
+        cursor = self.cursor_of.pop(seq, None)
+        if cursor is not None and self.ledger is not None:
+            self.ledger.settle(self.source, cursor, fate, self.buffer.version if step is None else step)
+
+    def resume_cursor(self) -> int:
+        """Where a resumed run's sampler starts: the prompt of the oldest group without a fate
+        (generating, buffered, or taken for a batch not yet trained: drawn again), else the next."""
         return min(self.cursor_of.values(), default=self.sampler.taken)
 
     def group_seed(self, cursor: int) -> int | None:
@@ -89,10 +95,11 @@ class RolloutProducer:
         while True:
             await self.buffer.wait_for_room()
             row, cursor = self.sampler.take(1)[0], self.sampler.taken - 1
+            if cursor in self.skip:  # settled before the checkpoint this run resumed from
+                self.skip.discard(cursor)
+                continue
             seq = self.buffer.admit()
             self.cursor_of[seq] = cursor
-            if len(self.cursor_of) > 4 * self.buffer.state.batch_groups + 1000:
-                self.resume_cursor()  # forgets the settled ones
             task = asyncio.create_task(self._one(seq, row, self.group_seed(cursor)))
             self._tasks[seq] = task
             task.add_done_callback(lambda _, s=seq: self._tasks.pop(s, None))
@@ -114,12 +121,15 @@ class RolloutProducer:
         except asyncio.CancelledError:  # cancelled at a weight update (or the run is stopping)
             self.cancelling.discard(seq)
             self.buffer.cancel(seq)
+            self.settle(seq, "cancelled")
             raise
         except Exception as exc:  # a broken request must not stop the run
             log.warning("group %d of %s failed: %s", seq, self.source, exc)
-            if system_failure(exc) is not None:
+            system = system_failure(exc) is not None
+            if system:
                 self.counts["aborted_by_system"] += self.n
             self.buffer.fail(seq)
+            self.settle(seq, "aborted" if system else "failed")
             return
         finally:
             if not stopped:
@@ -127,9 +137,11 @@ class RolloutProducer:
         if seq in self.cancelling:
             self.cancelling.discard(seq)
             self.buffer.cancel(seq)
+            self.settle(seq, "cancelled")
         elif self._masked(group):
             self.counts["aborted_by_system"] += group.aborted
             self.buffer.fail(seq)
+            self.settle(seq, "aborted" if group.aborted else "failed")
         else:
             self.buffer.put(seq, group)
 
@@ -148,7 +160,11 @@ class RolloutProducer:
         return len(old)
 
     async def stop(self) -> None:
+        """Cancels the groups in flight; every group still without a fate (buffered, or taken for a
+        batch that will not train) is `cancelled` in the ledger."""
         tasks = list(self._tasks.values())
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for seq in list(self.cursor_of):
+            self.settle(seq, "cancelled")

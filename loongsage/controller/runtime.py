@@ -3,10 +3,12 @@ stopped together (so SFT, bootstrap and RL share one way of bringing a run up an
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -23,6 +25,28 @@ from loongsage.transfer.config import TransferConfig
 from loongsage.transfer.mesh import WeightMesh, discover
 from loongsage.transfer.tensor_handles import SHM_PREFIX
 from loongsage.transfer.topology import plan
+
+SHM_RECORD = "shm_prefix"  # RUN_DIR file naming the run's /dev/shm prefix while it runs
+
+
+def record_shm_prefix(run_dir: Path, prefix: str) -> None:
+    """Notes where the run's shared buffers live, so a resume after a crash can remove them."""
+    (Path(run_dir) / SHM_RECORD).write_text(prefix)
+
+
+def remove_crashed_shm(run_dir: Path) -> int:
+    """Removes the /dev/shm buffers of an earlier attempt of this run that died without cleaning up
+    (a killed controller's trainer ranks never free theirs); returns how many."""
+    record = Path(run_dir) / SHM_RECORD
+    prefix = record.read_text().strip() if record.is_file() else ""
+    if not re.fullmatch(re.escape(SHM_PREFIX) + r"[0-9a-f]{8}-", prefix):  # only a name this code made
+        return 0
+    removed = 0
+    for f in Path("/dev/shm").glob(prefix + "*"):
+        f.unlink(missing_ok=True)
+        removed += 1
+    record.unlink()
+    return removed
 
 
 def client_factory(client_class: str | None, api_key: str | None):

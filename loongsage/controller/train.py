@@ -41,9 +41,10 @@ from loongsage.algo.config import LossConfig
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy, teacher_models
 from loongsage.controller.checkpoint import controller_state, latest_checkpoint, read_state, save_checkpoint
-from loongsage.controller.runtime import Runtime
+from loongsage.controller.ledger import PromptLedger
+from loongsage.controller.runtime import SHM_RECORD, Runtime, record_shm_prefix, remove_crashed_shm
 from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
-from loongsage.metrics import MetricsWriter, read_metrics
+from loongsage.metrics import MetricsWriter, read_metrics, truncate_metrics
 from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
 from loongsage.tasks.base import task_spec
@@ -63,10 +64,16 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     teacher_dirs = await teacher_models(cfg, str(base), console) if cfg.teachers else []
     t_start = time.perf_counter()  # wall clock from here includes start-up (Ray, engines), not the bootstraps
     tok = AutoTokenizer.from_pretrained(base)
+    remove_crashed_shm(run_dir)
     rt = await Runtime.start(str(ckpt or base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
                              with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer, reference_dir=str(base))
     start = 0 if state is None else state.step
+    record_shm_prefix(run_dir, rt.shm_prefix)
+    if state is not None:
+        truncate_metrics(run_dir, state.step)
     metrics = MetricsWriter(run_dir)
+    ledger = PromptLedger(run_dir / "prompts.jsonl", state.ledger_lines if state else 0,
+                          state.settled if state else None)
     timeline = Timeline()
     teachers = sources = None
     producing: list[asyncio.Task] = []
@@ -79,6 +86,8 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
             os.sched_setaffinity(0, cfg.train.controller_cpu_affinity)
         score = (lambda group, src: teachers.score_group(group, src.teachers)) if teachers else None
         sources = start_sources(cfg, rt.router, tok, str(base), timeline, after_group=score)
+        for src in sources:
+            src.producer.ledger = ledger
         keep = group_filter(cfg)
         batch_spec = (tok.pad_token_id, [t.name for t in cfg.teachers], teachers.top_k if teachers else 0)
         summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
@@ -100,10 +109,14 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0, completed=start)
             upcoming = asyncio.create_task(_next_batch(start + 1, cfg, sources, keep, batch_spec, timeline))
             for step in range(start + 1, cfg.train.steps + 1):
-                training = asyncio.create_task(_train(step, cfg, rt, await upcoming, timeline))  # overlaps `pending`
+                prepared = await upcoming
+                training = asyncio.create_task(_train(step, cfg, rt, prepared, timeline))  # overlaps `pending`
                 if step < cfg.train.steps:  # batch step + 1 is taken and collated while this step trains
                     upcoming = asyncio.create_task(_next_batch(step + 1, cfg, sources, keep, batch_spec, timeline))
                 record = await training
+                for src in sources:  # the batch's groups met their fate
+                    for seq in prepared[3].get(src.name, ()):
+                        src.producer.settle(seq, "skipped" if record["train/skipped_no_signal"] else "trained", step)
                 if pending is not None:
                     _finish(await _delivered(pending), clock, metrics, bar, task)
                 pending = (record, _start_weight_update(step, cfg, rt, sources, teachers, timeline,
@@ -119,8 +132,8 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                         record["time/eval_s"] = time.perf_counter() - t_eval
                     _finish(record, clock, metrics, bar, task)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
-                        await _checkpoint(f"step_{step}", step, cfg, rt, sources, run_dir,
-                                          upcoming if step < cfg.train.steps else None)
+                        await save_checkpoint(run_dir, f"step_{step}", controller_state(step, cfg, sources, ledger),
+                                              rt.trainers)
                 if out_of_time:
                     console.print(f"stopping: train.max_minutes={cfg.train.max_minutes} reached at step {step}")
                     break
@@ -128,9 +141,7 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                     console.print(f"stopping: held-out accuracy {record['eval/accuracy']:.3f} reached "
                                   f"train.target_accuracy={cfg.train.target_accuracy} at step {step}")
                     break
-        if step < cfg.train.steps:  # stopped early: the next batch is not trained
-            upcoming.cancel()
-        await _checkpoint("final", step, cfg, rt, sources, run_dir, upcoming if step < cfg.train.steps else None)
+        await save_checkpoint(run_dir, "final", controller_state(step, cfg, sources, ledger), rt.trainers)
         await _stop_producers(producing, sources)  # the engines are free for the final evaluation
         producing = []
         if "eval/accuracy" not in record:  # always end with a held-out evaluation
@@ -149,28 +160,16 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
         await _stop_producers(producing, sources or [])
         timeline.save(run_dir / "timeline.json")
         metrics.close()
+        ledger.close()
         for src in sources or []:
             await src.rollout.stop()
         if teachers is not None:
             await stop_teachers(teachers)
         await rt.close()
+        (run_dir / SHM_RECORD).unlink(missing_ok=True)  # its buffers are gone
         if cfg.train.controller_cpu_affinity and cores is not None:
             os.sched_setaffinity(0, cores)
     return summary
-
-
-async def _checkpoint(name: str, step: int, cfg: RunConfig, rt: Runtime, sources, run_dir, upcoming) -> None:
-    """Checkpoint `name` at `step` (its weights are on the engines). `upcoming`: the next batch's
-    task, or None; it is waited for (generation goes on meanwhile) so that its groups, taken but
-    not trained, are drawn again on resume; cancelled, they go back to the buffers."""
-    taken: dict[str, set[int]] = {}
-    if upcoming is not None and not upcoming.cancelled():
-        try:
-            taken = (await upcoming)[3]
-        except asyncio.CancelledError:
-            if not upcoming.cancelled():  # this task itself is being cancelled
-                raise
-    await save_checkpoint(run_dir, name, controller_state(step, cfg, sources, taken), rt.trainers)
 
 
 async def _resume(state, ckpt, rt: Runtime, sources, run_dir, console: Console) -> dict:
@@ -180,6 +179,7 @@ async def _resume(state, ckpt, rt: Runtime, sources, run_dir, console: Console) 
     await rt.sync.relabel(state.step)
     for src in sources:
         src.producer.sampler.skip_to(state.cursors[src.name])
+        src.producer.skip = set(state.settled.get(src.name, ()))
         src.buffer.resume_at(state.step)
     console.print(f"resuming {run_dir} at step {state.step} from {ckpt.name}")
     return next(r for r in read_metrics(run_dir) if r["step"] == 0)
