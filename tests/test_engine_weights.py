@@ -242,6 +242,20 @@ def test_release_and_resume_memory_frees_rss_and_keeps_outputs(big_engine):
     assert info["memory_released"] is False
 
 
+async def _swap_mid_stream(client, mode: str, weights: str, ids, sp) -> list[dict]:
+    """Streams `ids`; after 10 tokens pauses (`mode`), loads `weights` as version 1, continues."""
+    control = type(client)(client.base_url)
+
+    async def swap_weights():
+        await control.pause(mode)
+        await control.update_weights_from_disk(weights, weight_version=1)
+        await control.resume()
+    try:
+        return await _stream_until(client, ids, sp, 10, swap_weights, return_logprob=True)
+    finally:
+        await control.aclose()
+
+
 def test_partial_rollout_spans_a_weight_update_with_exact_per_version_logprobs(reset_engine, tiny_model, tiny_model_b):
     """retract mode: the in-flight request keeps its tokens, its KV is recomputed with the new weights,
     and every recorded logprob is exactly that of the version that produced the token."""
@@ -250,19 +264,7 @@ def test_partial_rollout_spans_a_weight_update_with_exact_per_version_logprobs(r
     ids = [21, 22, 23, 24]
     sp = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
 
-    async def go(client):
-        control = type(client)(client.base_url)
-
-        async def swap_weights():
-            await control.pause("retract")
-            await control.update_weights_from_disk(tiny_model_b, weight_version=1)
-            await control.resume()
-        try:
-            return await _stream_until(client, ids, sp, 10, swap_weights, return_logprob=True)
-        finally:
-            await control.aclose()
-
-    final = run(with_client(reset_engine.url, go))[-1]
+    final = run(with_client(reset_engine.url, lambda c: _swap_mid_stream(c, "retract", tiny_model_b, ids, sp)))[-1]
     versions = final["meta_info"]["output_token_weight_versions"]
     out = final["output_ids"]
     cut = versions.index(1)
@@ -274,3 +276,24 @@ def test_partial_rollout_spans_a_weight_update_with_exact_per_version_logprobs(r
     for j, tok in enumerate(out):
         ref = ref_a if versions[j] == 0 else ref_b
         assert abs(ref[P - 1 + j, tok].item() - lps[j]) < 1e-4, (j, versions[j])
+
+
+def test_kv_of_a_request_that_spans_a_weight_update_is_never_reused(reset_engine, tiny_model, tiny_model_b):
+    """in_place mode: a request paused across an update keeps its old-weight KV (SGLang's semantics),
+    but when it finishes that KV does not enter the prefix cache (the update emptied it of old
+    weights): the next request with the same prompt reuses nothing and its logprobs are exactly
+    the new weights'."""
+    from helpers import reference_logprobs
+
+    ids = [31, 32, 33, 34, 35, 36]
+    sp = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+    async def go(client):
+        await _swap_mid_stream(client, "in_place", tiny_model_b, ids, sp)
+        return await client.generate(ids, {"max_new_tokens": 4, "temperature": 0}, return_logprob=True)
+
+    after = run(with_client(reset_engine.url, go))
+    assert after.cached_tokens == 0 and after.versions == [1] * 4
+    ref_b = reference_logprobs(tiny_model_b, ids + after.output_ids)
+    for j, tok in enumerate(after.output_ids):
+        assert abs(ref_b[len(ids) - 1 + j, tok].item() - after.output_logprobs[j]) < 1e-4, j

@@ -67,6 +67,7 @@ class EngineCore:
         self.paused = False
         self.stats = EngineStats()
         self._tick = 0
+        self._weights_epoch = 0  # +1 at every weight update: K/V of an older epoch is never cached
         self._inbox: list[Sequence] = []
         self._commands: list[tuple[Callable, tuple, Future]] = []
         self._cond = threading.Condition()
@@ -152,6 +153,7 @@ class EngineCore:
             self.abort(None, abort_all=True, message="aborted for a weight update")
         result = load()
         self.cache.clear()
+        self._weights_epoch += 1  # requests running on (paused in place) hold K/V of the old weights
         if version is not None:
             self.weight_version = int(version)
         return result
@@ -351,6 +353,7 @@ class EngineCore:
                     self.cache.put(free, occupant)
             seq.kv_len = 0
         seq.slot = n
+        seq.kv_epoch = self._weights_epoch  # its K/V: cached from this epoch, or computed from now on
         self.running.append(seq)
 
     def _remove(self, seq: Sequence, keep_cache: bool) -> None:
@@ -358,7 +361,8 @@ class EngineCore:
         i, last = seq.slot, len(self.running) - 1
         pool = self.runner.pool
         entry = None
-        if keep_cache and self.cache.enabled and seq.kv_len > 0 and pool.allocated:
+        if (keep_cache and self.cache.enabled and seq.kv_len > 0 and pool.allocated
+                and seq.kv_epoch == self._weights_epoch):  # K/V partly from old weights is not reused
             entry = CacheEntry(np.asarray(seq.all_ids[:seq.kv_len]), self._tick)
         if i != last:
             other = self.running[last]

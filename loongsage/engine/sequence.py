@@ -75,6 +75,7 @@ class Sequence:
     input_logprobs: list | None = None
     input_top: list | None = None
     kv_len: int = 0  # tokens whose K/V sit in the slot
+    kv_epoch: int = 0  # the engine's weights epoch when that K/V began (core.EngineCore._weights_epoch)
     slot: int = -1
     cached_tokens: int = 0
     finish: Finish | None = None
