@@ -182,8 +182,9 @@ class WeightTransport(Protocol):
         """Feed the receivers; return `time/weight_sync_s` and `weight_sync/bytes`. Every receiver
         must report `version` afterwards (`transport.finish` checks it)."""
 
-    async def aclose(self) -> None:
-        """Release what setup made."""
+    async def aclose(self, gone: list[InferenceClient] = ()) -> None:
+        """Release what setup made; `gone`: receivers that died (a mesh rebuilt around a restarted
+        engine), whose shared resources are removed, not just let go."""
 
 
 class InferenceClient(Protocol):

@@ -50,9 +50,10 @@ def _demo(ns: argparse.Namespace) -> None:
 def _train(ns: argparse.Namespace) -> None:
     import asyncio
 
-    from loongsage.config import load_config
+    from loongsage.config import ConfigError, load_config
     from loongsage.controller.train import train
     from loongsage.plot import plot_run
+    from loongsage.tasks.dataset import DataError
 
     if ns.resume:  # the run's own resolved config; overrides (e.g. more train.steps) still apply
         if ns.config is not None and "=" not in ns.config:
@@ -62,9 +63,34 @@ def _train(ns: argparse.Namespace) -> None:
             raise SystemExit(f"--resume {ns.resume}: no config.yaml there (not a run directory)")
     else:
         config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
-    summary = asyncio.run(train(load_config(config, overrides), resume=bool(ns.resume)))
+    cfg = load_config(config, overrides)
+    run_dir = cfg.resolve_run_dir()
+    try:
+        summary = asyncio.run(train(cfg, resume=bool(ns.resume)))
+    except (ConfigError, DataError, FileNotFoundError):  # refused before it ran
+        raise
+    except (Exception, KeyboardInterrupt) as exc:
+        print(stopped_message(run_dir, exc), file=sys.stderr)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        raise SystemExit(1) from exc
     png = plot_run(summary["run_dir"])
     print(f"held-out accuracy {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}; curves: {png}")
+
+
+def stopped_message(run_dir: Path, exc: BaseException) -> str:
+    """What a run that stopped (its trainer died, an engine could not be kept up, Ctrl-C) tells
+    its user: why, and the command that resumes it from its last complete checkpoint."""
+    from loongsage.controller.checkpoint import latest_checkpoint
+
+    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except (FileNotFoundError, OSError):
+        return (f"the run in {run_dir} stopped ({why}) before its first checkpoint; start it again "
+                "(train.save_every sets how often checkpoints are written)")
+    return (f"the run in {run_dir} stopped ({why}).\nResume it from its last checkpoint ({ckpt.name}) with:\n"
+            f"  loongsage train --resume {run_dir}")
 
 
 def _sft(ns: argparse.Namespace) -> None:

@@ -2,7 +2,7 @@
 
 Stable names (DESIGN.md's run-directory contract): step, version, reward/mean, reward/<tag>/mean,
 samples/trained, samples/dropped_stale, samples/cancelled, samples/filtered_groups, samples/aborted_by_system,
-samples/resumed_after_abort, staleness/mean, staleness/max,
+samples/resumed_after_abort, samples/retried, engine/restarts, staleness/mean, staleness/max,
 mismatch/kl, mismatch/abs_logprob_diff, time/step_s, time/generate_s, time/train_s,
 time/generate_busy_frac, time/train_busy_frac, time/weight_sync_s, loss/*, is/*, train/*, offpolicy/*,
 and eval/accuracy, eval/<tag>/accuracy on the steps an evaluation ran after (step 0: before training).

@@ -82,3 +82,12 @@ def calc_caches(tmp_path_factory):
     it first."""
     root = tmp_path_factory.mktemp("calc-caches")
     return root, {"bootstrap": root / "base", "models": root / "models", "data": root / "data"}
+
+
+@pytest.fixture(scope="session")
+def arith_caches(tmp_path_factory):
+    """Bootstrap, model and data caches of every short arithmetic run in this session (the
+    bootstrap SFT runs once, in whichever test needs it first)."""
+    root = tmp_path_factory.mktemp("e2e")
+    return [f"bootstrap.cache_dir={root / 'base'}", f"model.cache_dir={root / 'models'}",
+            f"task.data_dir={root / 'data'}"], root

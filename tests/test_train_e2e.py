@@ -25,12 +25,9 @@ EASY = [
 ]
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """Caches shared by the runs of this module (the bootstrap is built once)."""
-    root = tmp_path_factory.mktemp("e2e")
-    return [f"bootstrap.cache_dir={root / 'base'}", f"model.cache_dir={root / 'models'}",
-            f"task.data_dir={root / 'data'}"], root
+@pytest.fixture
+def shared(arith_caches):
+    return arith_caches
 
 
 BACKENDS = {"fsdp": [], "megatron_tp2": ["trainer.backend=megatron", "trainer.world_size=2",
@@ -163,7 +160,7 @@ def test_a_resumed_run_continues_as_if_never_stopped(ray_session, tmp_path, shar
     assert sorted(x["cursor"] for x in lb) == list(range(len(lb)))  # every prompt drawn has one fate
 
 
-def _processes_mentioning(text: str) -> list[str]:
+def processes_mentioning(text: str) -> list[str]:
     out = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -205,9 +202,9 @@ def test_an_async_run_killed_and_resumed_settles_every_prompt_once(ray_session, 
     proc.wait()
     base = shared[1] / "base"
     deadline = time.time() + 60
-    while _processes_mentioning(str(base)) and time.time() < deadline:  # the engine of the killed run
+    while processes_mentioning(str(base)) and time.time() < deadline:  # the engine of the killed run
         time.sleep(0.5)
-    assert not _processes_mentioning(str(base))
+    assert not processes_mentioning(str(base))
     killed_prefix = (run / "shm_prefix").read_text()
     resumed = subprocess.run([sys.executable, "-m", "loongsage.cli", "train", "--resume", str(run)],
                              capture_output=True, text=True, timeout=900)
@@ -223,7 +220,7 @@ def test_an_async_run_killed_and_resumed_settles_every_prompt_once(ray_session, 
     trained = [x for x in ledger if x["fate"] == "trained"]
     assert len(trained) * 8 == sum(r["samples/trained"] for r in steps)  # n = 8 samples per prompt
     assert {x["step"] for x in trained} == set(range(1, 9))
-    assert not _processes_mentioning(str(run))
+    assert not processes_mentioning(str(run))
     deadline = time.time() + 30  # the resumed run's own buffers go as its actors exit, just after it
     while set(os.listdir("/dev/shm")) - shm_before and time.time() < deadline:
         time.sleep(0.5)

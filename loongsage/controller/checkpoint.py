@@ -24,6 +24,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from loongsage.config import ConfigError
+
 TRACKER = "latest"
 
 
@@ -69,13 +71,13 @@ def read_state(ckpt: Path, cfg) -> ControllerState:
     state = ControllerState(**json.loads((ckpt / "controller.json").read_text()))
     teachers = [t.name for t in cfg.teachers]
     if teachers != state.teachers:
-        raise ValueError(f"--resume: the checkpoint was trained with teachers {state.teachers}, the config has "
+        raise ConfigError(f"--resume: the checkpoint was trained with teachers {state.teachers}, the config has "
                          f"{teachers}; resume with the run's own teachers")
     sources = [s.name for s in cfg.sources()]
     if sorted(sources) != sorted(state.cursors):
-        raise ValueError(f"--resume: the checkpoint has data sources {sorted(state.cursors)}, the config {sources}")
+        raise ConfigError(f"--resume: the checkpoint has data sources {sorted(state.cursors)}, the config {sources}")
     if cfg.train.steps <= state.step:
-        raise ValueError(f"--resume: the checkpoint is at step {state.step}; set train.steps above it to go on")
+        raise ConfigError(f"--resume: the checkpoint is at step {state.step}; set train.steps above it to go on")
     return state
 
 

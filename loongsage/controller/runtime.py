@@ -3,10 +3,12 @@ stopped together (so SFT, bootstrap and RL share one way of bringing a run up an
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import secrets
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +60,21 @@ def client_factory(client_class: str | None, api_key: str | None):
     return lambda url: cls(url, api_key)
 
 
+async def build_mesh(trainers: TrainerGroup, engines: EngineGroup, trainer: TrainerConfig, engine: EngineConfig,
+                     rollout: RolloutConfig, transfer: TransferConfig, disk_dir: str | None) -> WeightMesh:
+    """The TransferMesh from the trainer to the engines where Ray placed them (routes planned from
+    their nodes and devices), set up and ready to deliver."""
+    client = client_factory(rollout.client, engines.api_key)
+    routes = plan(*discover(trainers, engines.actors, transfer))
+    sync = WeightMesh(routes, trainers, {f"engine-{i}": client(u) for i, u in enumerate(engines.urls)},
+                      engine.dtype, rollout.weight_bucket_mb, "nccl" if trainer.device.startswith("cuda") else "gloo",
+                      transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
+                      disk_dir, extensions=rollout.engine == "embedded", pause_mode=rollout.pause_mode,
+                      implementations=transfer.implementations)
+    await sync.setup()
+    return sync
+
+
 @dataclass
 class Runtime:
     trainers: TrainerGroup
@@ -68,6 +85,8 @@ class Runtime:
     reference: TrainerGroup | None = None  # frozen initial policy, for a KL penalty
     temp_weights_dir: str | None = None  # the disk route's folder when the config names none
     shm_prefix: str = SHM_PREFIX  # the run's /dev/shm names (its other engines, e.g. teachers, use it too)
+    remesh: Callable[[], Awaitable[WeightMesh]] | None = None  # a new TransferMesh over the current engines
+    client: Callable[[str], object] | None = None  # url -> a client of the run's engines
 
 
     @classmethod
@@ -98,15 +117,8 @@ class Runtime:
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
-            client = client_factory(rollout.client, engines.api_key)
-            routes = plan(*discover(trainers, engines.actors, transfer))
-            sync = WeightMesh(routes, trainers, {f"engine-{i}": client(u) for i, u in enumerate(engines.urls)},
-                              engine.dtype, rollout.weight_bucket_mb,
-                              "nccl" if trainer.device.startswith("cuda") else "gloo",
-                              transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
-                              disk_dir, extensions=rollout.engine == "embedded", pause_mode=rollout.pause_mode,
-                              implementations=transfer.implementations)
-            await sync.setup()
+            remesh = functools.partial(build_mesh, trainers, engines, trainer, engine, rollout, transfer, disk_dir)
+            sync = await remesh()
             freeze_long_lived()  # the controller's imports and clients: out of the cyclic GC's full passes (heap.py)
         except BaseException:
             for group in (engines, trainers, reference):
@@ -117,8 +129,26 @@ class Runtime:
             if temp_dir:
                 shutil.rmtree(temp_dir, ignore_errors=True)
             raise
-        router = Router([], clients=[client(u) for u in engines.urls], abort_retries=rollout.abort_retries)
-        return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix)
+        client = client_factory(rollout.client, engines.api_key)
+        router = Router([], clients=[client(u) for u in engines.urls], abort_retries=rollout.abort_retries,
+                        engine_retries=rollout.health.engine_retries, engine_wait_s=rollout.health.engine_wait_s)
+        return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix, remesh, client)
+
+    def __post_init__(self) -> None:
+        self.sync_lock = asyncio.Lock()  # held from a weight update's begin to its end, and by a mesh rebuild
+
+    async def replace_engine(self, idx: int) -> None:
+        """Engine `idx` (dead, hung or failing) is restarted as a new actor and given the trainer's
+        current weights over a rebuilt TransferMesh (routes planned from where Ray placed it; the
+        others keep theirs and get the same version); then the router sends it requests again."""
+        self.router.mark_down(idx)
+        url = await asyncio.to_thread(self.engines.restart, idx)
+        async with self.sync_lock:  # between two weight updates
+            await self.sync.aclose(gone=[f"engine-{idx}"])
+            self.sync = await self.remesh()
+            async with self.trainers.stepping:  # whole steps only: the version names these weights
+                await self.sync.push(await self.trainers.version())
+        await self.router.replace(idx, self.client(url))
 
     async def close(self) -> None:
         await self.router.aclose()

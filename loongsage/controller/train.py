@@ -44,7 +44,9 @@ from loongsage.controller.checkpoint import controller_state, latest_checkpoint,
 from loongsage.controller.ledger import PromptLedger
 from loongsage.controller.runtime import SHM_RECORD, Runtime, record_shm_prefix, remove_crashed_shm
 from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
+from loongsage.controller.supervisor import EngineSupervisor
 from loongsage.metrics import MetricsWriter, read_metrics, truncate_metrics
+from loongsage.rollout.resume import system_failure
 from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
 from loongsage.tasks.base import task_spec
@@ -75,8 +77,10 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     ledger = PromptLedger(run_dir / "prompts.jsonl", state.ledger_lines if state else 0,
                           state.settled if state else None)
     timeline = Timeline()
-    teachers = sources = None
+    teachers = sources = watching = None
     producing: list[asyncio.Task] = []
+    main = asyncio.current_task()
+    supervisor = EngineSupervisor(rt, cfg.rollout.health, lambda exc: main.cancel(), console, timeline)
     pending = upcoming = None
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
@@ -88,6 +92,8 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
         sources = start_sources(cfg, rt.router, tok, str(base), timeline, after_group=score)
         for src in sources:
             src.producer.ledger = ledger
+        if cfg.rollout.health.check_every_s > 0:  # engines that die or hang are restarted
+            watching = asyncio.create_task(supervisor.run())
         keep = group_filter(cfg)
         batch_spec = (tok.pad_token_id, [t.name for t in cfg.teachers], teachers.top_k if teachers else 0)
         summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
@@ -103,7 +109,7 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
         summary["eval_before"] = first["eval/accuracy"]
         console.print(f"held-out accuracy before training: {first['eval/accuracy']:.3f}")
         producing = [asyncio.create_task(src.producer.run()) for src in sources]
-        clock = _Clock([src.producer.busy for src in sources], t_start, teachers)
+        clock = _Clock([src.producer.busy for src in sources], t_start, [teachers, supervisor])
         # `pending`: (record, weight-update task) of the step whose weights are in flight
         with _progress(console) as bar:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0, completed=start)
@@ -119,8 +125,9 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                         src.producer.settle(seq, "skipped" if record["train/skipped_no_signal"] else "trained", step)
                 if pending is not None:
                     _finish(await _delivered(pending), clock, metrics, bar, task)
-                pending = (record, _start_weight_update(step, cfg, rt, sources, teachers, timeline,
-                                                        changed=not record["train/skipped_no_signal"]))
+                pending = (record, await _start_weight_update(step, cfg, rt, sources, teachers, timeline,
+                                                              changed=not record["train/skipped_no_signal"],
+                                                              supervisor=supervisor if watching else None))
                 evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.steps
                 out_of_time = cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
                 if evaluate_now or out_of_time or (cfg.train.save_every and step % cfg.train.save_every == 0):
@@ -152,7 +159,13 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         console.print(f"held-out accuracy: {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} "
                       f"after {step} steps ({summary['train_seconds']:.0f}s); run dir {run_dir}")
+    except asyncio.CancelledError:
+        if supervisor.error is not None:  # the engines could not be kept up: the run stops with why
+            raise supervisor.error from None
+        raise
     finally:
+        if watching is not None:
+            watching.cancel()
         if upcoming is not None:
             upcoming.cancel()
         if pending is not None:
@@ -306,19 +319,34 @@ async def _take_batch(step, cfg: RunConfig, sources, keep):
     return groups, [g for t in taken for g in t.sampled], sum(t.dropped_samples for t in taken)
 
 
-def _start_weight_update(step, cfg: RunConfig, rt: Runtime, sources, teachers, timeline: Timeline,
-                         changed: bool = True) -> asyncio.Task:
+async def _start_weight_update(step, cfg: RunConfig, rt: Runtime, sources, teachers, timeline: Timeline,
+                               changed: bool = True, supervisor: EngineSupervisor | None = None) -> asyncio.Task:
     """Version `step` to the engines: the trainer side is submitted now (ordered before the next
     train step, which then overlaps the transfer); the returned task feeds the engines (held by
     the pause mode), confirms the version, advances every source's window and cancels in-flight
     groups that can no longer be trained in time; teachers that follow the student get it when due.
-    A step that trained nothing (`changed` false) sends no weights: the engines relabel theirs."""
-    begun = rt.sync.begin(step) if changed else None
+    A step that trained nothing (`changed` false) sends no weights: the engines relabel theirs.
+    The mesh is held from here to the end of the delivery (an engine restart rebuilds it between);
+    an engine failing the delivery is the `supervisor`'s to restore."""
+    await rt.sync_lock.acquire()
+    try:
+        begun = rt.sync.begin(step) if changed else None
+    except BaseException:
+        rt.sync_lock.release()
+        raise
 
     async def deliver() -> dict:
-        with timeline.span("weight sync", f"sync v{step}"):
-            # receivers held (pause mode) and confirmed by the mesh
-            out = await (rt.sync.deliver(step, begun) if changed else rt.sync.relabel(step))
+        try:
+            try:
+                with timeline.span("weight sync", f"sync v{step}"):
+                    # receivers held (pause mode) and confirmed by the mesh
+                    out = await (rt.sync.deliver(step, begun) if changed else rt.sync.relabel(step))
+            finally:
+                rt.sync_lock.release()
+        except Exception as exc:  # an engine died during the update: restarted, every engine gets current weights
+            if supervisor is None or system_failure(exc) is None:
+                raise
+            out = await supervisor.recover(step)
         cancelled = 0
         for src in sources:
             src.buffer.advance()
@@ -339,10 +367,11 @@ async def _delivered(pending: tuple[dict, asyncio.Task]) -> dict:
 
 class _Clock:
     """Per-step wall time (between two finished steps), the busy fractions of generation and
-    training within it, and the teachers' metrics."""
+    training within it, and the metrics of the run's machinery (teachers, engine supervision)."""
 
-    def __init__(self, busy: list, t_start: float, teachers=None):
-        self.busy, self.t_start, self.teachers = busy, t_start, teachers
+    def __init__(self, busy: list, t_start: float, machinery: list | None = None):
+        self.busy, self.t_start = busy, t_start
+        self.machinery = [m for m in machinery or [] if m is not None]  # each with .metrics()
         self._t, self._gen = time.perf_counter(), self._generating()
 
     def _generating(self) -> float:
@@ -355,8 +384,8 @@ class _Clock:
                "time/generate_busy_frac": min(1.0, (gen - self._gen) / total),
                "time/train_busy_frac": min(1.0, train_s / total), "time/elapsed_s": now - self.t_start}
         self._t, self._gen = now, gen
-        if self.teachers is not None:
-            out.update(self.teachers.metrics())
+        for part in self.machinery:
+            out.update(part.metrics())
         return out
 
 

@@ -96,11 +96,15 @@ class EngineClient:
 
     # ---- control -------------------------------------------------------------------------
     async def health(self) -> bool:
+        return await self.health_status() == 200
+
+    async def health_status(self) -> int | None:
+        """GET /health's status code, or None when nothing answers (the server is gone)."""
         try:
             async with self._http().get(self.base_url + "/health") as r:
-                return r.status == 200
+                return r.status
         except aiohttp.ClientError:
-            return False
+            return None
 
     async def model_info(self) -> dict:
         return await self._request("GET", "/model_info")

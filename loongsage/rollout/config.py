@@ -39,6 +39,20 @@ class SamplingConfig(BaseModel):
                 "max_new_tokens": self.max_new_tokens}
 
 
+class EngineHealthConfig(BaseModel):
+    """How the controller watches its engines (controller/supervisor.py) and the router fails over."""
+    model_config = ConfigDict(extra="forbid")
+    check_every_s: float = Field(2.0, ge=0.0, description="seconds between /health probes of each engine; 0 turns "
+                                 "supervision off (an engine that dies then ends the run)")
+    timeout_s: float = Field(10.0, gt=0.0, description="a probe (or restart step) slower than this counts as failed")
+    failures: int = Field(3, ge=1, description="consecutive failed probes of a live but unhealthy engine (hung, or "
+                          "answering errors) before it is restarted; one that is gone is restarted at once")
+    max_restarts: int = Field(5, ge=0, description="engine restarts the run allows in all; one more ends it")
+    engine_retries: int = Field(3, ge=0, description="new attempts of a model call an engine failed (another engine "
+                                "while one is up); the rollout is aborted (samples/aborted_by_system) after them")
+    engine_wait_s: float = Field(300.0, gt=0.0, description="how long a call waits for an engine when none is up")
+
+
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     engine: str = Field("embedded", pattern="^(embedded|sglang)$")
@@ -59,6 +73,7 @@ class RolloutConfig(BaseModel):
                                   "engine a per-row noise draw (~1 ms per 256-row decode step on CPU)")
     abort_retries: int = Field(2, ge=0, description="times a request the system aborted (not cancelled) is continued "
                                "from its tokens so far; still aborted, its group is masked (samples/aborted_by_system)")
+    health: EngineHealthConfig = Field(default_factory=EngineHealthConfig)
     weight_bucket_mb: float = Field(64.0, gt=0)
     window: WindowStrategyName = Field("staleness", description="staleness: take finished groups as they finish; "
                                        "windowed_fifo: only within B of the oldest uncollected group; or module:attr "

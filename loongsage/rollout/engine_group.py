@@ -42,8 +42,14 @@ class EngineActor:
     def log_tail(self) -> str:
         return self.proc.log_tail()
 
+    def pid(self) -> int:
+        return self.proc.proc.pid
+
     def stop(self) -> None:
         self.proc.stop()
+
+    def kill(self) -> None:
+        self.proc.kill()
 
 
 class EngineGroup:
@@ -53,10 +59,18 @@ class EngineGroup:
         gpus = rollout.engine_gpus if on_gpu else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
         self.api_key = secrets.token_urlsafe(32)  # clients: Router(urls, api_key=...), EngineClient(url, api_key)
-        self.actors = [actor.remote(str(model_path), engine_cfg, rollout.engine_threads, rollout.engine,
-                                    self.api_key, shm_prefix, [str(r) for r in weight_roots])
-                       for _ in range(rollout.num_engines)]
+        self._new = lambda: actor.remote(str(model_path), engine_cfg, rollout.engine_threads, rollout.engine,
+                                         self.api_key, shm_prefix, [str(r) for r in weight_roots])
+        self.actors = [self._new() for _ in range(rollout.num_engines)]
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])
+
+    def restart(self, idx: int, timeout_s: float = 900.0) -> str:
+        """Engine `idx` (dead, hung or failing) is stopped, its actor killed, and a new one started
+        from the run's initial weights (the caller gives it the current ones); returns its URL."""
+        stop_actors([self.actors[idx]], "kill", timeout_s=10.0)
+        self.actors[idx] = self._new()
+        self.urls[idx] = ray.get(self.actors[idx].url.remote(), timeout=timeout_s)
+        return self.urls[idx]
 
     def shutdown(self) -> None:
         stop_actors(self.actors, "stop")

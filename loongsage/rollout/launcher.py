@@ -58,6 +58,13 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait()
 
+    def kill(self) -> None:
+        """At once (SIGKILL, also to a stopped or hung process): an engine being replaced."""
+        self._closed = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
     def __enter__(self) -> EngineProcess:
         return self
 

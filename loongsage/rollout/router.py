@@ -1,7 +1,13 @@
 """Spreads requests over engines: least outstanding requests, and a conversation (session) sticks
 to the engine that holds its prefix cache. It knows which engine holds every request in flight, so
 an abort goes to that engine only. A request an engine aborts that nobody cancelled is continued
-from where it stopped (`rollout/resume.py`)."""
+from where it stopped (`rollout/resume.py`).
+
+Engines fail: a call that an engine could not serve (unreachable, went away, HTTP 5xx) is sent
+again, to another engine while one is up, as a new attempt (`<rid>.<attempt>`, so an engine never
+sees one id twice), after the tokens a stream already delivered. The engine is reported to
+`on_engine_failure` (the supervisor, which checks it and restarts it when it is dead or hung); an
+engine marked down gets no requests until `replace` brings its successor in."""
 from __future__ import annotations
 
 import asyncio
@@ -12,14 +18,21 @@ from contextlib import aclosing
 
 from loongsage.rollout import protocol as P
 from loongsage.rollout.client import EngineClient
-from loongsage.rollout.resume import continuation_params, joined
+from loongsage.rollout.resume import continuation_params, joined, system_failure
+
+
+class EngineUnavailable(RuntimeError):
+    """No engine came up within the wait (every one is down and none was brought back)."""
 
 
 class Router:
     def __init__(self, urls: list[str], max_sessions: int = 100_000, api_key: str | None = None,
-                 clients: list[EngineClient] | None = None, abort_retries: int = 2):
+                 clients: list[EngineClient] | None = None, abort_retries: int = 2, engine_retries: int = 3,
+                 engine_wait_s: float = 300.0):
         """`clients`: ready-made clients (another InferenceClient implementation) instead of `urls`;
-        `abort_retries`: continuations of a request the system aborted (0: return it aborted)."""
+        `abort_retries`: continuations of a request the system aborted (0: return it aborted);
+        `engine_retries`: new attempts of a call an engine failed; `engine_wait_s`: how long a call
+        waits for an engine to be up when all are down."""
         self.clients = clients or [EngineClient(u, api_key) for u in urls]
         if not self.clients:
             raise ValueError("router needs at least one engine")
@@ -30,21 +43,62 @@ class Router:
         self.abort_retries = abort_retries
         self.cancelled: OrderedDict[str, None] = OrderedDict()  # sessions aborted on purpose (abort_where)
         self._rids = itertools.count()
+        self.engine_retries, self.engine_wait_s = engine_retries, engine_wait_s
+        self.up = [True] * len(self.clients)
+        self._changed: asyncio.Condition | None = None  # made in the running loop
+        self.on_engine_failure: Callable[[int, BaseException], None] | None = None
+        self.retried = 0  # calls sent again after an engine failed them (samples/retried)
 
-    def pick(self, session: str | None = None) -> int:
-        if session is not None and session in self.sessions:
+    # ---- engines up and down -------------------------------------------------------------
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    def mark_down(self, idx: int) -> None:
+        """Engine `idx` gets no new requests (its successor comes in with `replace`)."""
+        self.up[idx] = False
+
+    async def mark_up(self, idx: int) -> None:
+        self.up[idx] = True
+        async with self._condition():
+            self._condition().notify_all()
+
+    async def replace(self, idx: int, client: EngineClient) -> None:
+        """Engine `idx`'s successor serves from now on; its conversations start over there."""
+        old, self.clients[idx] = self.clients[idx], client
+        await old.aclose()
+        for session in [s for s, i in self.sessions.items() if i == idx]:
+            del self.sessions[session]
+        await self.mark_up(idx)
+
+    async def _wait_up(self) -> None:
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: any(self.up)), self.engine_wait_s)
+            except asyncio.TimeoutError:
+                raise EngineUnavailable(f"no inference engine up for {self.engine_wait_s:.0f}s "
+                                        "(rollout.health.engine_wait_s)") from None
+
+    def pick(self, session: str | None = None, avoid: frozenset[int] = frozenset()) -> int:
+        """The session's engine while it is up, else the up engine with the fewest requests (not one
+        in `avoid` when another is up)."""
+        held = self.sessions.get(session) if session is not None else None
+        if held is not None and self.up[held] and held not in avoid:
             self.sessions.move_to_end(session)
-            return self.sessions[session]
-        idx = min(range(len(self.clients)), key=lambda i: self.outstanding[i])
+            return held
+        live = [i for i in range(len(self.clients)) if self.up[i]] or list(range(len(self.clients)))
+        idx = min([i for i in live if i not in avoid] or live, key=lambda i: self.outstanding[i])
         if session is not None:
             self.sessions[session] = idx
             if len(self.sessions) > self.max_sessions:
                 self.sessions.popitem(last=False)
         return idx
 
-    def _begin(self, session: str | None, rid: str | None) -> tuple[int, str]:
-        idx = self.pick(session)
-        rid = rid or f"{session or 'r'}-{next(self._rids)}"
+    def _begin(self, session: str | None, rid: str | None, avoid: frozenset[int] = frozenset()) -> tuple[int, str]:
+        idx = self.pick(session, avoid)
+        rid = rid or self._new_rid(session)
         self.outstanding[idx] += 1
         self.inflight[rid] = (session, idx)
         return idx, rid
@@ -65,21 +119,34 @@ class Router:
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
                               rid: str | None = None, **kw) -> AsyncIterator[P.GenerateOutput]:
         """One prompt, one sample, as cumulative snapshots while it is generated (the last is final;
-        a system abort is continued in the same stream)."""
+        a system abort is continued in the same stream, and so is a stream an engine failed)."""
         done: P.GenerateOutput | None = None
-        params = sampling_params
+        params, base, attempt, avoid = sampling_params, rid or self._new_rid(session), 0, set()
+        rid = base
         while True:
             last = None
-            async with aclosing(self._stream_once(input_ids + (done.output_ids if done else []), params, session,
-                                                  rid, **kw)) as chunks:
-                async for out in chunks:
-                    last = out if done is None else joined(done, out)
-                    if last.finish_reason and self._resumable(last, sampling_params, session):
-                        break  # not final: the continuation follows
-                    yield last
+            try:
+                async with aclosing(self._stream_once(input_ids + (done.output_ids if done else []), params, session,
+                                                      rid, avoid, **kw)) as chunks:
+                    async for out in chunks:
+                        last = out if done is None else joined(done, out)
+                        if last.finish_reason and self._resumable(last, sampling_params, session):
+                            break  # not final: the continuation follows
+                        yield last
+            except Exception as exc:
+                if not self._retryable(exc, attempt, session):
+                    raise
+                attempt += 1
+                await self._before_retry(attempt)
+                done = last or done  # what the failed stream delivered stays; the rest is generated anew
+                params = continuation_params(sampling_params, len(done.output_ids)) if done else sampling_params
+                if params is None:
+                    raise
+                rid = f"{base}.{attempt}"
+                continue
             if last is None or not self._resumable(last, sampling_params, session):
                 return
-            done, rid = last, None
+            done, rid = last, self._new_rid(session)
             params = continuation_params(sampling_params, len(done.output_ids))
 
     async def _resume(self, input_ids: list[int], params: dict, out: P.GenerateOutput, session: str | None,
@@ -95,21 +162,59 @@ class Router:
         return (out.finish_type == "abort" and out.resumed < self.abort_retries and session not in self.cancelled
                 and continuation_params(params, len(out.output_ids)) is not None)
 
+    def _new_rid(self, session: str | None) -> str:
+        return f"{session or 'r'}-{next(self._rids)}"
+
+    def _retryable(self, exc: Exception, attempt: int, session: str | None) -> bool:
+        """An engine failed the call (not the request's own fault), nobody cancelled it, attempts left."""
+        return (system_failure(exc) is not None and session not in self.cancelled
+                and attempt < self.engine_retries)
+
+    async def _before_retry(self, attempt: int) -> None:
+        self.retried += 1
+        await asyncio.sleep(min(0.25 * 2 ** (attempt - 1), 4.0))
+        if not any(self.up):
+            await self._wait_up()
+
+    def _report(self, idx: int, exc: Exception) -> None:
+        if self.on_engine_failure is not None and system_failure(exc) is not None:
+            self.on_engine_failure(idx, exc)
+
     async def _generate_once(self, input_ids: list[int], sampling_params: dict, session: str | None,
                              rid: str | None, **kw) -> list[P.GenerateOutput]:
-        idx, rid = self._begin(session, rid)
-        try:
-            res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, rid=rid, **kw))
-        finally:
-            self._end(idx, rid)
+        """One call, sent again (a new attempt id, another engine while one is up) when an engine fails it."""
+        base, avoid, attempt = rid or self._new_rid(session), set(), 0
+        if not any(self.up):
+            await self._wait_up()
+        while True:
+            idx, rid = self._begin(session, base if attempt == 0 else f"{base}.{attempt}", frozenset(avoid))
+            try:
+                res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, rid=rid, **kw))
+                break
+            except Exception as exc:
+                self._report(idx, exc)
+                if not self._retryable(exc, attempt, session):
+                    raise
+            finally:
+                self._end(idx, rid)
+            attempt += 1
+            avoid.add(idx)
+            await self._before_retry(attempt)
         return [P.parse_generate(r) for r in (res if isinstance(res, list) else [res])]
 
     async def _stream_once(self, input_ids: list[int], sampling_params: dict, session: str | None,
-                           rid: str | None, **kw) -> AsyncIterator[P.GenerateOutput]:
-        idx, rid = self._begin(session, rid)
+                           rid: str | None, avoid: set[int], **kw) -> AsyncIterator[P.GenerateOutput]:
+        """`avoid`: engines that failed this request (the one that fails now is added)."""
+        if not any(self.up):
+            await self._wait_up()
+        idx, rid = self._begin(session, rid, frozenset(avoid))
         try:
             async for chunk in self.clients[idx].generate_stream(input_ids, sampling_params, rid=rid, **kw):
                 yield P.parse_generate(chunk)
+        except Exception as exc:
+            self._report(idx, exc)
+            avoid.add(idx)
+            raise
         finally:
             self._end(idx, rid)
 

@@ -20,6 +20,7 @@ class TrainerGroup:
     def __init__(self, cfg: TrainerConfig, model_path: str, shm_prefix: str = SHM_PREFIX):
         """`shm_prefix`: the run's prefix for the shared-memory buffers its ranks hand to engines."""
         self.cfg = cfg
+        self.stepping = asyncio.Lock()  # held for a whole run step (all its optimizer steps)
         world = cfg.world_size
         actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0)(TrainerRank)
         self.ranks = [actor.remote(cfg, str(model_path), r, world, shm_prefix, search_path()) for r in range(world)]
@@ -70,11 +71,12 @@ class TrainerGroup:
         are several). Metrics: averages over the optimizer steps (sums and maxima where they add up)."""
         slices = [idx.tolist() for idx in torch.arange(batch.size).chunk(min(mini_batches, batch.size))]
         plan = [s for _ in range(epochs) for s in slices]
-        if len(plan) == 1:
-            return await self.train_step(batch, "policy", loss_cfg)
-        results = []
-        for i, rows in enumerate(plan):
-            results.append(await self.train_step(batch.select(rows), "policy", loss_cfg, last=i == len(plan) - 1))
+        async with self.stepping:
+            if len(plan) == 1:
+                return await self.train_step(batch, "policy", loss_cfg)
+            results = []
+            for i, rows in enumerate(plan):
+                results.append(await self.train_step(batch.select(rows), "policy", loss_cfg, last=i == len(plan) - 1))
         out = combine_metrics(results, additive_divisor=epochs)
         out["train/optimizer_steps"] = float(len(plan))
         out["loss/clip_frac_first"], out["loss/clip_frac_last"] = (results[0].get("loss/clip_frac", 0.0),
@@ -83,7 +85,8 @@ class TrainerGroup:
 
     async def skip_step(self) -> dict[str, float]:
         """Every rank's version and schedule advance without an update (a step with nothing to train)."""
-        return (await asyncio.gather(*[r.skip_step.remote() for r in self.ranks]))[0]
+        async with self.stepping:
+            return (await asyncio.gather(*[r.skip_step.remote() for r in self.ranks]))[0]
 
     def full_state_dict_on_rank0(self) -> dict[str, torch.Tensor]:
         """The full HF-named weights (a collective over all ranks; rank 0's result)."""

@@ -262,3 +262,9 @@ class DistributedWeightSync(BaseTransport):
                 shapes=[self.meta[i][2] for i in bucket], weight_version=version if last else None,
                 group_name=self.group_name, flattened=True) for c in self.clients])
         return await self.finish(version, t0, (await sending)[0])
+
+    async def aclose(self, gone: list[InferenceClient] = ()) -> None:
+        """The group is left by every live receiver and the trainer (a rebuilt mesh makes a new one)."""
+        await asyncio.gather(*[c.destroy_weights_update_group(self.group_name) for c in self.clients if c not in gone],
+                             return_exceptions=True)
+        await asyncio.gather(*[r.transfer.remote("broadcast", "release") for r in self.trainers.ranks])

@@ -166,6 +166,16 @@ class MappedSender:
             torch.cuda.synchronize()  # the receiver flips right after: the copies must have landed
         return written
 
+    def unmap(self, receivers: list[str], dead: list[str]) -> bool:
+        """Lets go of receivers' buffers (a mesh being rebuilt); a dead receiver's /dev/shm files are
+        removed (it cannot: it was killed), a live one maps them again."""
+        for name in receivers:
+            pair = self.mapped.pop(name, None)
+            if pair is not None and name in dead:
+                for payload in pair:
+                    release_shared(payload["flattened_tensor"])
+        return True
+
     def release(self) -> None:
         self.mapped = {}
 
@@ -201,3 +211,7 @@ class MappedShmSync(BaseTransport):
         await asyncio.gather(*[c.flip_weights(targets[c.base_url], weight_version=version) for c in self.clients])
         self.standby = {url: 1 - idx for url, idx in targets.items()}
         return await self.finish(version, t0, written * len(self.clients))
+
+    async def aclose(self, gone: list[InferenceClient] = ()) -> None:
+        await self.trainers.rank0.transfer.remote("mapped", "unmap", [c.base_url for c in self.clients],
+                                                  [c.base_url for c in gone])

@@ -10,6 +10,7 @@ pause mode, with the one-bucket fast path), and verification as its own step (`v
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -159,7 +160,11 @@ class WeightMesh:
     async def push(self, version: int) -> dict[str, float]:
         return await self.deliver(version, self.begin(version))
 
-    async def aclose(self) -> None:
-        await asyncio.gather(*[p.aclose() for p in self.parts.values()])
+    async def aclose(self, gone: list[str] = ()) -> None:
+        """`gone`: receivers that died (the mesh is being rebuilt around their successors)."""
+        dead = [self.clients[n] for n in gone if n in self.clients]
+        await asyncio.gather(*[p.aclose(gone=[c for c in dead if c in p.clients])
+                               if "gone" in inspect.signature(p.aclose).parameters else p.aclose()
+                               for p in self.parts.values()], return_exceptions=bool(dead))
         for c in self.clients.values():
             await c.aclose()

@@ -41,5 +41,6 @@ class BaseTransport:
     async def push(self, version: int) -> dict[str, float]:
         return await self.deliver(version, self.begin(version))
 
-    async def aclose(self) -> None:
+    async def aclose(self, gone: list[InferenceClient] = ()) -> None:
+        """Release what setup made; `gone`: receivers that died (what they shared is removed too)."""
         return None

@@ -1,0 +1,268 @@
+"""Engines that fail: the router sends a failed call again elsewhere (new attempt id), the
+supervisor restarts an engine that is gone or hung and gives it the current weights, and a run
+with its only engine killed (-9) and later hung (SIGSTOP) completes with every prompt accounted once
+and no train-inference gap from the restarted engine."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from test_train_e2e import EASY, processes_mentioning
+
+from loongsage.controller.supervisor import Strikes
+from loongsage.rollout.router import Router
+
+
+def test_strikes_restart_a_gone_engine_at_once_and_an_unhealthy_one_after_enough_checks():
+    s = Strikes(limit=3)
+    assert s.verdict(0, "gone") == "restart"
+    assert [s.verdict(1, "unhealthy") for _ in range(3)] == ["wait", "wait", "restart"]
+    assert s.verdict(2, "unhealthy") == "wait" and s.verdict(2, "ok") == "ok"  # a good check clears the strikes
+    assert s.verdict(2, "unhealthy") == "wait"
+    s.reported.add(3)  # health says fine, but calls failed on it since: a strike all the same
+    assert s.verdict(3, "ok") == "wait" and s.verdict(3, "ok") == "ok"
+
+
+async def _failing_server(status: int | None):
+    """A real HTTP server that fails every /generate: with `status`, or by dropping the connection."""
+    seen: list[str] = []
+
+    async def generate(request: web.Request):
+        seen.append((await request.json())["rid"])
+        if status is None:
+            request.transport.close()
+            return web.Response()
+        return web.json_response({"error": {"message": "boom"}}, status=status)
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}", seen
+
+
+@pytest.mark.parametrize("failure", [500, None, "refused"])
+def test_a_call_an_engine_fails_is_sent_again_to_another_engine_with_a_new_attempt_id(engine, failure):
+    async def main():
+        runner, url, seen = (None, "http://127.0.0.1:9", []) if failure == "refused" \
+            else await _failing_server(failure)
+        reports = []
+        router = Router([url, engine.url], engine_retries=2)
+        router.on_engine_failure = lambda idx, exc: reports.append(idx)
+        try:
+            out = (await router.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.0}, rid="call-7"))[0]
+            streamed = [o async for o in router.generate_stream([1, 2, 3], {"max_new_tokens": 4, "temperature": 0.0},
+                                                                rid="call-8")][-1]
+        finally:
+            await router.aclose()
+            if runner is not None:
+                await runner.cleanup()
+        return out, streamed, router, reports, seen
+
+    out, streamed, router, reports, seen = asyncio.run(main())
+    assert len(out.output_ids) == 4 and out.finish_type == "length"
+    assert streamed.output_ids == out.output_ids  # greedy: the stream's retry gives the same tokens
+    assert router.retried >= 1 and reports and set(reports) == {0}
+    if failure != "refused":
+        assert seen[0] == "call-7"
+    assert router.inflight == {} and router.outstanding == [0, 0]
+
+
+def test_a_call_waits_for_an_engine_while_none_is_up_and_gives_up_with_the_reason(engine):
+    async def main():
+        router = Router([engine.url], engine_wait_s=0.5)
+        router.mark_down(0)
+        with pytest.raises(RuntimeError, match="no inference engine up"):
+            await router.generate([1, 2], {"max_new_tokens": 2})
+        waiting = asyncio.create_task(router.generate([1, 2], {"max_new_tokens": 2}))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await router.mark_up(0)
+        out = await waiting
+        await router.aclose()
+        return out[0]
+
+    assert len(asyncio.run(main()).output_ids) == 2
+
+
+def _engine_pids(prefix: str) -> list[int]:
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"engine" in args and prefix.encode() in args:
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+async def _when_step(run: Path, step: int, task: asyncio.Task) -> None:
+    from loongsage.metrics import read_metrics
+
+    deadline = time.time() + 600
+    while not (run / "metrics.jsonl").is_file() or not any(r["step"] >= step and "reward/mean" in r
+                                                           for r in read_metrics(run)):
+        if task.done():
+            task.result()  # the run's own error
+            raise AssertionError(f"the run ended before step {step}")
+        assert time.time() < deadline
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_a_run_outlives_its_engine_killed_and_then_hung(ray_session, tmp_path, arith_caches):
+    from loongsage.config import load_config
+    from loongsage.controller.ledger import read_ledger
+    from loongsage.controller.train import train
+    from loongsage.metrics import read_metrics
+
+    run = tmp_path / "run"
+    shm_before = set(os.listdir("/dev/shm"))
+    cfg = load_config("recipes/arith_grpo.yaml", EASY + arith_caches[0] + [
+        f"run_dir={run}", "rollout.max_staleness=1", "train.steps=10", "train.eval_every=10",
+        "rollout.health.check_every_s=0.5", "rollout.health.timeout_s=2", "rollout.health.failures=2"])
+    faults = []
+
+    async def main():
+        task = asyncio.create_task(train(cfg))
+        await _when_step(run, 3, task)
+        prefix = (run / "shm_prefix").read_text()
+        (pid,) = _engine_pids(prefix)
+        os.kill(pid, signal.SIGKILL)
+        faults.append(("kill -9", pid))
+        await _when_step(run, 6, task)
+        (pid,) = _engine_pids(prefix)
+        assert pid != faults[0][1]
+        os.kill(pid, signal.SIGSTOP)  # hung: alive, answers nothing
+        faults.append(("SIGSTOP", pid))
+        return await task
+
+    summary = asyncio.run(main())
+    steps = [r for r in read_metrics(run) if r["step"] > 0 and "reward/mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, 11)), summary
+    assert steps[-1]["engine/restarts"] == 2
+    assert sum(r["samples/retried"] for r in steps) > 0
+    gaps = [r["mismatch/abs_logprob_diff"] for r in steps if r["mismatch/abs_logprob_diff"] is not None]
+    assert gaps and max(gaps) < 1e-4  # the restarted engines serve the trainer's weights under the right version
+    assert all(r["staleness/max"] <= 1 for r in steps)
+    ledger = read_ledger(run / "prompts.jsonl")
+    assert sorted(x["cursor"] for x in ledger) == list(range(len(ledger)))  # each prompt drawn: one fate
+    trained = [x for x in ledger if x["fate"] == "trained"]
+    assert len(trained) * 8 == sum(r["samples/trained"] for r in steps)
+    assert not processes_mentioning(str(run))  # the hung engine was killed, not left stopped
+    assert not [p for p in (faults[1][1],) if Path(f"/proc/{p}").exists()]
+    deadline = time.time() + 30
+    while set(os.listdir("/dev/shm")) - shm_before and time.time() < deadline:
+        time.sleep(0.5)
+    assert not set(os.listdir("/dev/shm")) - shm_before  # the killed engine's weight buffers too
+
+
+def test_a_restarted_engine_serves_the_trainers_current_weights_over_a_rebuilt_mesh(ray_session, tiny_model):
+    """Version 2 trained but not yet sent, the engine killed (-9): its successor comes up from the
+    initial weights, the rebuilt TransferMesh gives it version 2 (labelled so), its logprobs are the
+    trainer's, and the dead engine's shared weight buffers are gone with it."""
+    import ray
+    import torch
+
+    from helpers import policy_batch
+    from loongsage.algo.config import LossConfig
+    from loongsage.cluster.config import RayConfig
+    from loongsage.controller.runtime import Runtime
+    from loongsage.engine.config import EngineConfig
+    from loongsage.rollout.config import RolloutConfig
+    from loongsage.sample import Sample
+    from loongsage.trainer.batch import collate
+    from loongsage.trainer.config import TrainerConfig
+
+    async def main():
+        rt = await Runtime.start(tiny_model, TrainerConfig(lr=1e-2), EngineConfig(max_running=16, context_length=128),
+                                 RolloutConfig(), RayConfig())
+        try:
+            for v in (1, 2):
+                await rt.trainers.train_steps(policy_batch(seed=v), LossConfig(is_mode="none"))
+                if v == 1:
+                    await rt.sync.push(1)
+            shm = lambda: sorted(f for f in os.listdir("/dev/shm") if f.startswith(rt.shm_prefix))
+            before = shm()
+            os.kill(ray.get(rt.engines.actors[0].pid.remote()), signal.SIGKILL)
+            await rt.replace_engine(0)
+            after = shm()
+            info = await rt.router.clients[0].model_info()
+            out = (await rt.router.generate([10, 11, 12], {"max_new_tokens": 8, "temperature": 1.0, "ignore_eos": True},
+                                            return_logprob=True))[0]
+            batch = collate([Sample([10, 11, 12], out.output_ids, [1] * 8, out.output_logprobs, out.output_versions)], 0)
+            lp, _ = await rt.trainers.compute_logprobs(batch)
+            gap = float(((lp - batch.behavior_logprobs).abs() * batch.loss_mask).max())
+            return info, out, gap, before, after
+        finally:
+            await rt.close()
+
+    info, out, gap, before, after = asyncio.run(main())
+    assert str(info["weight_version"]) == "2" and set(out.output_versions) == {2}
+    assert gap < 1e-5
+    assert len(set(before) - set(after)) == 2 and len(set(after) - set(before)) == 2, (before, after)  # 2 buffers each
+    assert torch.isfinite(torch.tensor(out.output_logprobs)).all()
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+@pytest.mark.slow
+def test_a_run_whose_trainer_dies_stops_naming_the_resume_command(tmp_path, arith_caches):
+    """`loongsage train` with its trainer rank killed (-9) after the step-2 checkpoint: the command
+    ends (non-zero) within a minute, saying why and how to resume; nothing it started is left."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cfg = EASY + arith_caches[0] + [f"run_dir={run}", "train.steps=40", "train.save_every=2", "train.eval_every=40"]
+    proc = subprocess.Popen([sys.executable, "-m", "loongsage.cli", "train", "recipes/arith_grpo.yaml", *cfg],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        tracker, deadline = run / "checkpoints" / "latest", time.time() + 900
+        while not (tracker.is_file() and tracker.read_text().strip() == "step_2"):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.1)
+        (trainer,) = [p for p in _descendants(proc.pid)
+                      if Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"ray::TrainerRank")]
+        os.kill(trainer, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert f"loongsage train --resume {run}" in err and "stopped" in err, err[-3000:]
+    assert not processes_mentioning(str(run))
+
+
+def test_the_stop_message_names_the_resume_command_only_where_a_checkpoint_exists(tmp_path):
+    from loongsage.cli import stopped_message
+
+    assert "before its first checkpoint" in stopped_message(tmp_path, RuntimeError("trainer died"))
+    (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_4" / "controller.json").write_text("{}")
+    (tmp_path / "checkpoints" / "latest").write_text("step_4")
+    msg = stopped_message(tmp_path, RuntimeError("trainer died"))
+    assert "RuntimeError: trainer died" in msg and f"loongsage train --resume {tmp_path}" in msg and "step_4" in msg
