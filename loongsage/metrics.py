@@ -22,7 +22,9 @@ REQUIRED = ["step", "version", "reward/mean", "samples/trained", "samples/droppe
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resumed_at: int | None = None):
+        """`resumed_at`: the step a resumed run continues after; TensorBoard drops what the run it
+        resumes had logged beyond it (the redone steps appear once, as in metrics.jsonl)."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
@@ -30,7 +32,8 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"),
+                                     purge_step=None if resumed_at is None else resumed_at + 1)
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -51,6 +51,25 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def openapi_body(model: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route that reads `model` with `body_of` + `parse`: its JSON body in the
+    server's OpenAPI document (what clients, docs and the schema fuzzing tests read), with the
+    model's nested definitions inlined so the document needs no shared components."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.split("/")[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+    return {"requestBody": {"required": False, "content": {"application/json": {"schema": inline(schema)}}}}
+
+
 def parse(model: type[BaseModel], body: Any) -> Any:
     try:
         return model.model_validate(body if body is not None else {})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -103,7 +105,6 @@ class ListeningSockets:
     actors, engines, the gateway) listen on, while a `with` block runs."""
 
     def __init__(self, every_s: float = 0.3):
-        import threading
 
         self.every_s, self.seen, self._stop = every_s, {}, threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -137,3 +138,16 @@ class ListeningSockets:
         from loongsage.cluster.network import is_loopback
 
         return {addr: name for addr, name in self.seen.items() if not is_loopback(addr[0])}
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of the processes (other than pytest) that mention `text`."""
+    out = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in args and "pytest" not in args:
+            out.append(args)
+    return out

@@ -1,11 +1,12 @@
 """The gateway with the official `openai` client against a real engine (a tiny model trained to make
 one calculator call), white-box episodes, and black-box agent programs (the example written with the
-openai SDK, plus ones that crash, hang, print garbage or never call the model)."""
+openai SDK, plus ones that crash, hang, print garbage, flood their output or never call the model)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +14,7 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 from transformers import AutoTokenizer
 
-from helpers import MALFORMED_CALL, with_client
+from helpers import MALFORMED_CALL, processes_mentioning, with_client
 from loongsage.agentflow.agents import tool_loop
 from loongsage.agentflow.blackbox import BlackBoxRunner
 from loongsage.agentflow.chat_tokens import ChatTokens
@@ -200,6 +201,7 @@ AGENTS = {
                 "'content': 'x'}]}).encode(), {'Authorization': 'Bearer ' + os.environ['OPENAI_API_KEY'], "
                 "'Content-Type': 'application/json'}); urllib.request.urlopen(req).read(); "
                 "sys.stdout.buffer.write(b'\\xff\\xfe\\x00 garbage')"),
+    "flood": "import sys; sys.stdin.read()\nwhile True: sys.stdout.write('x' * 65536)",
 }
 
 
@@ -223,15 +225,19 @@ def test_blackbox_agents(tool_engine, tool_model, tmp_path, preload):
         try:
             example = await runner("example")
             good = await asyncio.gather(*[example.run(ROW, spec, f"ep{i}") for i in range(2)])
-            crash, hang, silent, garbage = await asyncio.gather(
+            crash, hang, silent, garbage, flood = await asyncio.gather(
                 (await runner("crash")).run(ROW, spec, "crash"), (await runner("hang", timeout_s=2)).run(ROW, spec, "hang"),
-                (await runner("silent")).run(ROW, spec, "silent"), (await runner("garbage")).run(ROW, spec, "garbage"))
-            return good, crash, hang, silent, garbage
+                (await runner("silent")).run(ROW, spec, "silent"), (await runner("garbage")).run(ROW, spec, "garbage"),
+                (await runner("flood")).run(ROW, spec, "flood"))
+            assert len(gw.sessions) == 0  # every episode's gateway session closed
+            return good, crash, hang, silent, garbage, flood
         finally:
             for r in runners:
                 await r.stop()
 
-    good, crash, hang, silent, garbage = asyncio.run(_with_gateway(tool_engine.url, tool_model, go, open_keys=False))
+    agent_dirs = set(Path(tempfile.gettempdir()).glob("loongsage-agent-*"))
+    good, crash, hang, silent, garbage, flood = asyncio.run(_with_gateway(tool_engine.url, tool_model, go,
+                                                                          open_keys=False))
     for t in good:
         assert t.status == "ok" and t.answer == "The answer is 42" and t.reward == 1.0
         assert t.info["calls"] == 2 and t.info["drifted_calls"] == 0 and t.info["tool_calls"] == 1
@@ -241,6 +247,9 @@ def test_blackbox_agents(tool_engine, tool_model, tmp_path, preload):
     assert hang.status == "failed" and hang.reason.startswith("timeout")
     assert silent.status == "failed" and silent.reason == "agent made no model call"
     assert garbage.status == "failed" and "unreadable output" in garbage.reason and garbage.info["calls"] == 1
+    assert flood.status == "failed" and "flooded its output: more than 1048576 bytes" in flood.reason
+    assert not processes_mentioning(str(tmp_path))  # no agent outlives its episode
+    assert set(Path(tempfile.gettempdir()).glob("loongsage-agent-*")) <= agent_dirs  # nor its output files
 
 
 def test_loongsage_serve(tool_model, tmp_path):

@@ -104,3 +104,37 @@ def test_a_resume_removes_the_shared_buffers_of_the_attempt_that_died(tmp_path):
     finally:
         for f in ours + [other]:
             f.unlink(missing_ok=True)
+
+
+def test_rng_states_round_trip_so_a_resumed_rank_draws_what_it_would_have(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
+
+    from loongsage.trainer.rng import load_rng, save_rng
+
+    torch.manual_seed(3), random.seed(3), np.random.seed(3)
+    save_rng(tmp_path, rank=1)
+    expected = (torch.rand(4).tolist(), random.random(), np.random.rand())
+    torch.manual_seed(99), random.seed(99), np.random.seed(99)  # a new process's states
+    assert load_rng(tmp_path, rank=1) and not load_rng(tmp_path, rank=0)
+    assert (torch.rand(4).tolist(), random.random(), np.random.rand()) == expected
+
+
+def test_a_resumed_run_logs_each_redone_step_once_in_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from loongsage.metrics import MetricsWriter
+
+    first = MetricsWriter(tmp_path)
+    for step in range(1, 6):  # the attempt that died after step 5, its last checkpoint at step 2
+        first.write({"step": step, "reward/mean": float(step)})
+    first.close()
+    resumed = MetricsWriter(tmp_path, resumed_at=2)
+    for step in (3, 4):
+        resumed.write({"step": step, "reward/mean": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward/mean")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

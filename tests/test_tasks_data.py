@@ -77,6 +77,22 @@ def test_malformed_rows_name_file_and_line(tmp_path, lines, message):
     assert message in str(info.value)
 
 
+def test_malformed_rows_can_be_skipped_each_named_in_the_warning(tmp_path, caplog):
+    lines = ['{"prompt": "a", "answer": "b"}', "{oops", '{"prompt": "c"}', "\udcff not text", '[1]',
+             '{"prompt": "d", "answer": 4}']
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n", errors="surrogateescape")
+    with caplog.at_level("WARNING", logger="loongsage.data"):
+        rows = load_rows(tmp_path / "d.jsonl", bad_rows="skip")
+    assert [(r.prompt, r.answer) for r in rows] == [("a", "b"), ("d", "4")]
+    assert "skipped 4 malformed rows" in caplog.text
+    for where in ("d.jsonl:2: invalid JSON", "d.jsonl:3: missing key 'answer'", "d.jsonl:4: invalid JSON",
+                  "d.jsonl:5: expected a JSON object"):
+        assert where in caplog.text
+    (tmp_path / "bad.jsonl").write_text("{oops\n[2]\n")
+    with pytest.raises(DataError, match="every row is malformed; the first: .*bad.jsonl:1: invalid JSON"):
+        load_rows(tmp_path / "bad.jsonl", bad_rows="skip")
+
+
 def test_parquet_rows_are_numbered_and_formats_checked(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "answer": "b"}, {"prompt": "c", "answer": None}]),
                    tmp_path / "p.parquet")

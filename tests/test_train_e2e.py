@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import pytest
 
-from helpers import ListeningSockets
+from helpers import ListeningSockets, processes_mentioning
 from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import REQUIRED, read_metrics
@@ -158,18 +157,6 @@ def test_a_resumed_run_continues_as_if_never_stopped(ray_session, tmp_path, shar
     assert [(x["cursor"], x["fate"], x["step"]) for x in la if x["fate"] == "trained"] == \
         [(x["cursor"], x["fate"], x["step"]) for x in lb if x["fate"] == "trained"]
     assert sorted(x["cursor"] for x in lb) == list(range(len(lb)))  # every prompt drawn has one fate
-
-
-def processes_mentioning(text: str) -> list[str]:
-    out = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in args and "pytest" not in args:
-            out.append(args)
-    return out
 
 
 @pytest.mark.slow

@@ -3,7 +3,10 @@
 The episode's task arrives on stdin as JSON ({"messages", "tools", "meta"}); OPENAI_BASE_URL and
 OPENAI_API_KEY point the program's SDK at its own gateway session; its final answer is the last
 non-empty line it prints. A crash, a hang (wall-clock timeout; the process group is killed) or no
-model call at all gives a failed trajectory with the reason; the run goes on. An episode in which
+model call at all gives a failed trajectory with the reason; the run goes on. Output goes to files
+capped by RLIMIT_FSIZE: an agent that floods stdout or stderr is stopped by the kernel at
+`max_output_bytes` (SIGXFSZ, or EFBIG for Python, which ignores that signal) and fails with that
+reason, and the controller never holds more than the cap. An episode in which
 the gateway saw the inference system fail a call is `aborted` instead (not scored, not trained).
 
 Python agents can be started from a fork server that has their heavy imports done (`agent.preload`):
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -22,6 +26,24 @@ from pathlib import Path
 from loongsage.agentflow.gateway import GatewayServer
 from loongsage.agentflow.trajectory import Trajectory
 from loongsage.tasks.base import TaskRow, TaskSpec
+
+
+def _read_capped(path: str, cap: int) -> str:
+    """The file's text; FLOODED when it reached `cap` (the kernel refused more: SIGXFSZ, or EFBIG
+    for a program that ignores the signal, as Python does)."""
+    with open(path, "rb") as f:
+        raw = f.read(cap or -1)
+    return FLOODED if cap and len(raw) >= cap else raw.decode(errors="replace")
+
+
+FLOODED = "\0flooded"  # no program's readable output: it holds a NUL
+
+
+def _limit_output(cap: int):
+    """The child's files (its stdout and stderr among them) may not grow past `cap` bytes."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
+    return limit
 
 
 def _kill_group(pid: int) -> None:
@@ -66,7 +88,8 @@ class ForkServer:
                 if not f.done():
                     f.set_exception(RuntimeError("agent fork server exited"))
 
-    async def run(self, argv: list[str], env: dict[str, str], stdin: bytes, timeout_s: float) -> tuple[int, str, str]:
+    async def run(self, argv: list[str], env: dict[str, str], stdin: bytes, timeout_s: float,
+                  max_output_bytes: int = 0) -> tuple[int, str, str]:
         self._next += 1
         rid = str(self._next)
         loop = asyncio.get_running_loop()
@@ -74,7 +97,8 @@ class ForkServer:
         with tempfile.TemporaryDirectory(prefix="loongsage-agent-") as tmp:
             paths = {k: str(Path(tmp) / k) for k in ("stdin", "stdout", "stderr")}
             Path(paths["stdin"]).write_bytes(stdin)
-            self._proc.stdin.write((json.dumps({"id": rid, "argv": argv, "env": env, **paths}) + "\n").encode())
+            self._proc.stdin.write((json.dumps({"id": rid, "argv": argv, "env": env, **paths,
+                                                "max_output_bytes": max_output_bytes}) + "\n").encode())
             try:
                 await self._proc.stdin.drain()
                 pid = await futs["pid"]
@@ -86,7 +110,7 @@ class ForkServer:
                     raise
             finally:
                 self._waiting.pop(rid, None)
-            return code, Path(paths["stdout"]).read_text(errors="replace"), Path(paths["stderr"]).read_text(errors="replace")
+            return code, _read_capped(paths["stdout"], max_output_bytes), _read_capped(paths["stderr"], max_output_bytes)
 
     async def stop(self) -> None:
         if self._proc is not None and self._proc.returncode is None:
@@ -102,12 +126,13 @@ class ForkServer:
 
 class BlackBoxRunner:
     def __init__(self, server: GatewayServer, command: list[str], timeout_s: float, concurrency: int,
-                 env: dict[str, str] | None = None, preload: list[str] | None = None):
+                 env: dict[str, str] | None = None, preload: list[str] | None = None, max_output_bytes: int = 1 << 20):
         if not command:
             raise ValueError("agent.command: the black-box agent's command line is empty")
         if preload and (command[0] != sys.executable or len(command) < 2 or not command[1].endswith(".py")):
             raise ValueError("agent.preload needs agent.command = ['{python}', 'script.py', ...] (a Python script)")
         self.server, self.command, self.timeout_s = server, list(command), timeout_s
+        self.max_output_bytes = max_output_bytes
         self.env = {**os.environ, **(env or {}), "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost"}
         self._slots = asyncio.Semaphore(concurrency)
         self.forkserver = ForkServer(preload, self.env) if preload else None
@@ -142,6 +167,8 @@ class BlackBoxRunner:
             return traj.abort(session.system_errors[0])
         if traj.status == "failed":
             return traj
+        if code == -signal.SIGXFSZ or FLOODED in (out, err):
+            return traj.fail(f"agent flooded its output: more than {self.max_output_bytes} bytes (killed)")
         if code != 0:
             tail = err.strip().splitlines()[-1:] or [""]
             return traj.fail(f"agent exited with code {code}: {tail[0][:300]}")
@@ -161,14 +188,18 @@ class BlackBoxRunner:
         task = json.dumps({"messages": messages, "tools": row.tools or [], "meta": row.meta}).encode()
         env = {**self.env, "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": key, "LOONGSAGE_SESSION": name}
         if self.forkserver is not None:
-            return await self.forkserver.run(self.command[1:], env, task, self.timeout_s)
-        proc = await asyncio.create_subprocess_exec(
-            *self.command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, start_new_session=True)
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(task), self.timeout_s)
-        except BaseException:  # timeout or cancellation: the agent and its children go
-            _kill_group(proc.pid)
-            await proc.wait()
-            raise
-        return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")
+            return await self.forkserver.run(self.command[1:], env, task, self.timeout_s, self.max_output_bytes)
+        with tempfile.TemporaryDirectory(prefix="loongsage-agent-") as tmp:
+            out_path, err_path = str(Path(tmp) / "stdout"), str(Path(tmp) / "stderr")
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                proc = await asyncio.create_subprocess_exec(
+                    *self.command, stdin=asyncio.subprocess.PIPE, stdout=out, stderr=err, env=env,
+                    start_new_session=True, preexec_fn=_limit_output(self.max_output_bytes))
+            try:
+                await asyncio.wait_for(proc.communicate(task), self.timeout_s)
+            except BaseException:  # timeout or cancellation: the agent and its children go
+                _kill_group(proc.pid)
+                await proc.wait()
+                raise
+            return (proc.returncode, _read_capped(out_path, self.max_output_bytes),
+                    _read_capped(err_path, self.max_output_bytes))

@@ -17,6 +17,8 @@ class AgentLimits(BaseModel):
     max_turns: int = Field(4, ge=1, description="model calls per episode")
     max_tokens: int = Field(512, ge=8, description="prompt + all turns, in tokens, per episode")
     timeout_s: float = Field(60.0, gt=0, description="wall clock per episode")
+    max_output_bytes: int = Field(1 << 20, ge=1024, description="black-box agents: stdout and stderr each; an "
+                                  "agent that writes more is killed (SIGXFSZ) and its episode failed")
 
 
 class AgentConfig(BaseModel):

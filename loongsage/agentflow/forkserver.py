@@ -3,7 +3,8 @@ SDK alone costs ~0.6 s of CPU per interpreter here) and forks a fresh process pe
 the unmodified script as `__main__`, with its own environment, stdin/stdout/stderr files, process
 group, argv and exit status: the same contract as a plain subprocess, minus the interpreter start-up.
 
-Protocol (JSON lines): the runner writes {"id", "argv", "env", "stdin", "stdout", "stderr"} (paths)
+Protocol (JSON lines): the runner writes {"id", "argv", "env", "stdin", "stdout", "stderr"} (paths,
+and "max_output_bytes": the size limit of every file the child writes)
 to the server's stdin; the server answers {"id", "pid"} when the child runs and {"id", "exit"} when
 it ends (exit = the status code, negative for a signal).
 """
@@ -19,6 +20,10 @@ import threading
 
 def _child(req: dict) -> None:
     os.setsid()
+    if req.get("max_output_bytes"):  # a flood ends the agent (SIGXFSZ), not the disk
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (req["max_output_bytes"], req["max_output_bytes"]))
     for fd, path, mode in ((0, req["stdin"], os.O_RDONLY), (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
                            (2, req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
         f = os.open(path, mode, 0o600)

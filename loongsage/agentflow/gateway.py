@@ -27,7 +27,7 @@ from loongsage.agentflow.llm import ModelTurn, PolicyLLM
 from loongsage.agentflow.sessions import CallRecorder, Session, SessionStore
 from loongsage.rollout.client import EngineError
 from loongsage.rollout.resume import system_failure
-from loongsage.wire import ClientGone, unless_client_leaves
+from loongsage.wire import ClientGone, openapi_body, unless_client_leaves
 
 
 class SystemFailed(RuntimeError):
@@ -193,7 +193,7 @@ class Gateway:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                                 "owned_by": "loongsage"}]}
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=openapi_body(O.ChatCompletionRequest))
         async def chat_completions(request: Request):
             session = who(request)
             if session is None:

@@ -97,7 +97,8 @@ class BlackBoxRollout(_EpisodeRollout):
         self.server = await GatewayServer(gateway, self.cfg.gateway_host).start()
         command = [sys.executable if part == "{python}" else part for part in self.cfg.command]
         self._programs = await BlackBoxRunner(self.server, command, self.cfg.limits.timeout_s, self.cfg.concurrency,
-                                              preload=self.cfg.preload).start()
+                                              preload=self.cfg.preload,
+                                              max_output_bytes=self.cfg.limits.max_output_bytes).start()
 
     async def stop(self) -> None:
         if self._programs is not None:

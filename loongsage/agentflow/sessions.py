@@ -67,6 +67,10 @@ class SessionStore:
         self._by_key: dict[str, Session] = {}
         self._lock = threading.Lock()
 
+    def __len__(self) -> int:
+        """Sessions open now (each episode closes its own: none may outlive it)."""
+        return len(self._by_key)
+
     def open(self, name: str, sampling: dict[str, Any] | None = None) -> tuple[str, Session]:
         key = "lsk-" + secrets.token_urlsafe(24)
         session = Session(name, sampling=sampling)

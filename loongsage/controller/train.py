@@ -25,6 +25,7 @@ the synchronous schedule, by the same code path. Groups found stale anyway are e
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import time
@@ -44,13 +45,13 @@ from loongsage.controller.checkpoint import controller_state, latest_checkpoint,
 from loongsage.controller.ledger import PromptLedger
 from loongsage.controller.runtime import SHM_RECORD, Runtime, record_shm_prefix, remove_crashed_shm
 from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
-from loongsage.controller.supervisor import EngineSupervisor
+from loongsage.controller.supervisor import EngineSupervisor, Fleet, recover_weight_update
 from loongsage.metrics import MetricsWriter, read_metrics, truncate_metrics
 from loongsage.rollout.resume import system_failure
 from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
 from loongsage.tasks.base import task_spec
-from loongsage.teachers.launch import start_teachers, stop_teachers
+from loongsage.teachers.launch import replace_teacher_engine, start_teachers, stop_teachers
 from loongsage.timeline import Timeline
 from loongsage.trainer.batch import collate
 
@@ -73,19 +74,23 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     record_shm_prefix(run_dir, rt.shm_prefix)
     if state is not None:
         truncate_metrics(run_dir, state.step)
-    metrics = MetricsWriter(run_dir)
+    metrics = MetricsWriter(run_dir, resumed_at=state.step if state else None)
     ledger = PromptLedger(run_dir / "prompts.jsonl", state.ledger_lines if state else 0,
                           state.settled if state else None)
     timeline = Timeline()
     teachers = sources = watching = None
     producing: list[asyncio.Task] = []
     main = asyncio.current_task()
-    supervisor = EngineSupervisor(rt, cfg.rollout.health, lambda exc: main.cancel(), console, timeline)
+    supervisor = EngineSupervisor([Fleet("engine", rt.router, rt.replace_engine)], cfg.rollout.health,
+                                  lambda exc: main.cancel(), console, timeline)
     pending = upcoming = None
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         if cfg.teachers:  # teachers score each group as it completes, inside the producers' tasks
             teachers = await start_teachers(cfg, teacher_dirs, str(base), rt.shm_prefix, rt.trainers, timeline)
+            for name, t in teachers.teachers.items():  # their engines are watched and restarted too
+                supervisor.add(Fleet(f"teacher-{name}", t.router,
+                                     functools.partial(replace_teacher_engine, cfg, teachers, rt.trainers, name)))
         if cfg.train.controller_cpu_affinity and cores is not None:  # after start-up: Ray's processes keep all cores
             os.sched_setaffinity(0, cfg.train.controller_cpu_affinity)
         score = (lambda group, src: teachers.score_group(group, src.teachers)) if teachers else None
@@ -346,7 +351,7 @@ async def _start_weight_update(step, cfg: RunConfig, rt: Runtime, sources, teach
         except Exception as exc:  # an engine died during the update: restarted, every engine gets current weights
             if supervisor is None or system_failure(exc) is None:
                 raise
-            out = await supervisor.recover(step)
+            out = await recover_weight_update(supervisor, rt, step)
         cancelled = 0
         for src in sources:
             src.buffer.advance()

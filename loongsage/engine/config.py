@@ -18,6 +18,9 @@ class EngineConfig(BaseModel):
     prefix_cache: bool = True
     weight_version: int = Field(0, ge=0, description="the version the engine reports for its initial weights")
     cpu_affinity: list[int] | None = Field(None, description="pin the engine process to these CPU cores (Linux)")
+    inject_errors: str | None = Field(None, pattern=r"^\d+:\d+$", description="fault injection (reliability tests, "
+                                      "drills): 'AFTER:COUNT' answers HTTP 500 to COUNT /generate requests after the "
+                                      "first AFTER (engine/faults.py); a restarted engine comes up without it")
     sglang_args: list[str] = Field(default_factory=list, json_schema_extra={"cli": False},
                                    description="extra `sglang.launch_server` flags (rollout.engine=sglang), e.g. "
                                                "['--tp-size', '2', '--mem-fraction-static', '0.7']")

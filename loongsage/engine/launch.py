@@ -32,7 +32,7 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
         context_length=cfg.context_length, max_prefill_tokens=cfg.max_prefill_tokens,
         weight_version=cfg.weight_version, enable_prefix_cache=cfg.prefix_cache,
     )
-    app = create_app(core, security=security, host=host)
+    app = create_app(core, security=security, host=host, inject_errors=cfg.inject_errors)
     freeze_long_lived()  # model, tokenizer, server: out of the cyclic GC's full passes (heap.py)
     core.start()
     try:

@@ -10,7 +10,7 @@ from fastapi.responses import PlainTextResponse
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.transfer.receiving import as_version
-from loongsage.wire import body_of, error
+from loongsage.wire import body_of, error, openapi_body
 
 
 def control_routes(core: EngineCore) -> APIRouter:
@@ -19,7 +19,7 @@ def control_routes(core: EngineCore) -> APIRouter:
     async def on_core(fn, *args):
         return await asyncio.wrap_future(core.call(fn, *args))
 
-    @router.post("/pause_generation")
+    @router.post("/pause_generation", openapi_extra=openapi_body(S.PauseRequest))
     async def pause(request: Request):
         req = S.parse(S.PauseRequest, await body_of(request))
         return {"status": "ok", "message": await on_core(core.pause, req.mode)}
@@ -29,7 +29,7 @@ def control_routes(core: EngineCore) -> APIRouter:
         await body_of(request)
         return {"status": "ok", "message": await on_core(core.resume_generation)}
 
-    @router.post("/abort_request")
+    @router.post("/abort_request", openapi_extra=openapi_body(S.AbortRequest))
     async def abort_request(request: Request):
         req = S.parse(S.AbortRequest, await body_of(request))
         if not req.abort_all and req.rid is None:
@@ -48,7 +48,7 @@ def control_routes(core: EngineCore) -> APIRouter:
             return PlainTextResponse(str(exc), status_code=400)
         return PlainTextResponse("Cache flushed.")
 
-    @router.post("/release_memory_occupation")
+    @router.post("/release_memory_occupation", openapi_extra=openapi_body(S.MemoryRequest))
     async def release_memory(request: Request):
         req = S.parse(S.MemoryRequest, await body_of(request))
         try:
@@ -57,13 +57,13 @@ def control_routes(core: EngineCore) -> APIRouter:
             return error(400, str(exc))
         return {"success": True}
 
-    @router.post("/resume_memory_occupation")
+    @router.post("/resume_memory_occupation", openapi_extra=openapi_body(S.MemoryRequest))
     async def resume_memory(request: Request):
         req = S.parse(S.MemoryRequest, await body_of(request))
         await on_core(core.resume_memory, req.tags)
         return {"success": True}
 
-    @router.post("/update_weight_version")
+    @router.post("/update_weight_version", openapi_extra=openapi_body(S.WeightVersionRequest))
     async def update_weight_version(request: Request):
         req = S.parse(S.WeightVersionRequest, await body_of(request))
         version = as_version(req.new_version)

@@ -16,13 +16,13 @@ from fastapi.responses import StreamingResponse
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
-from loongsage.wire import ClientGone, body_of, error, json_response, unless_client_leaves
+from loongsage.wire import ClientGone, body_of, error, json_response, openapi_body, unless_client_leaves
 
 
 def generation_routes(core: EngineCore) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/generate")
+    @router.post("/generate", openapi_extra=openapi_body(S.GenerateRequest))
     async def generate(request: Request):
         req = S.parse(S.GenerateRequest, await body_of(request))
         if core.memory_released:  # it would wait for /resume_memory_occupation, which may never come

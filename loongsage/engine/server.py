@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 
 from loongsage.cluster.network import LOOPBACK
 from loongsage.engine.core import EngineCore
+from loongsage.engine.faults import InjectedErrors
 from loongsage.engine.routes_control import control_routes
 from loongsage.engine.routes_generate import generation_routes
 from loongsage.engine.routes_info import info_routes
@@ -21,11 +22,13 @@ from loongsage.wire import RequestError, error
 
 
 def create_app(core: EngineCore, served_model_name: str | None = None,
-               security: EngineSecurity | None = None, host: str = LOOPBACK) -> FastAPI:
+               security: EngineSecurity | None = None, host: str = LOOPBACK, inject_errors: str | None = None) -> FastAPI:
     """`app.state.receivers` hold what the weight routes keep (shared buffers, groups): the launcher
-    releases them at shutdown."""
+    releases them at shutdown. `inject_errors`: engine/faults.py."""
     security = security or EngineSecurity()
     app = FastAPI(title="LoongSage embedded engine (SGLang protocol)")
+    if inject_errors:
+        app.add_middleware(InjectedErrors, spec=inject_errors)
     if security.api_key:
         app.add_middleware(BearerAuth, api_key=security.api_key)
 

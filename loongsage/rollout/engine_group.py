@@ -59,8 +59,9 @@ class EngineGroup:
         gpus = rollout.engine_gpus if on_gpu else 0
         actor = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
         self.api_key = secrets.token_urlsafe(32)  # clients: Router(urls, api_key=...), EngineClient(url, api_key)
-        self._new = lambda: actor.remote(str(model_path), engine_cfg, rollout.engine_threads, rollout.engine,
-                                         self.api_key, shm_prefix, [str(r) for r in weight_roots])
+        self._new = lambda cfg=engine_cfg: actor.remote(str(model_path), cfg, rollout.engine_threads, rollout.engine,
+                                                        self.api_key, shm_prefix, [str(r) for r in weight_roots])
+        self._restart_cfg = engine_cfg.model_copy(update={"inject_errors": None})  # a drill's fault ends with it
         self.actors = [self._new() for _ in range(rollout.num_engines)]
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])
 
@@ -68,7 +69,7 @@ class EngineGroup:
         """Engine `idx` (dead, hung or failing) is stopped, its actor killed, and a new one started
         from the run's initial weights (the caller gives it the current ones); returns its URL."""
         stop_actors([self.actors[idx]], "kill", timeout_s=10.0)
-        self.actors[idx] = self._new()
+        self.actors[idx] = self._new(self._restart_cfg)
         self.urls[idx] = ray.get(self.actors[idx].url.remote(), timeout=timeout_s)
         return self.urls[idx]
 

@@ -1,7 +1,7 @@
 """Which task a run trains and evaluates on: a built-in generator or user files."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -24,6 +24,8 @@ class TaskConfig(BaseModel):
     eval_path: str | None = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    bad_rows: Literal["error", "skip"] = Field("error", description="a malformed row of train_path/eval_path: stop "
+                                               "with its file and line, or skip it (each listed in a warning)")
 
     @field_validator("name")
     @classmethod

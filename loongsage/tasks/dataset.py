@@ -1,14 +1,17 @@
 """Reading and writing data sets: jsonl and parquet with a declared prompt/answer schema.
 
-A malformed row is reported with its file and line (jsonl) or row number (parquet).
+A malformed row is reported with its file and line (jsonl) or row number (parquet): an error,
+or (`bad_rows="skip"`) skipped with a warning that lists every such row, so one bad line in a large
+data set costs that line, not the run. A file with no good row is an error either way.
 """
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from loongsage.tasks.base import TaskRow
 
@@ -20,6 +23,9 @@ class DataSchema:
     tag_key: str | None = "tag"
     tools_key: str | None = "tools"
     default_tag: str = "default"
+
+
+log = logging.getLogger("loongsage.data")
 
 
 class DataError(ValueError):
@@ -37,32 +43,50 @@ def write_jsonl(rows: Iterable[TaskRow], path: str | Path) -> Path:
     return path
 
 
-def load_rows(path: str | Path, schema: DataSchema | None = None) -> list[TaskRow]:
+def load_rows(path: str | Path, schema: DataSchema | None = None,
+              bad_rows: Literal["error", "skip"] = "error") -> list[TaskRow]:
     schema = schema or DataSchema()
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path}: no such file")
     if path.suffix == ".jsonl":
-        return [_to_row(rec, schema, f"{path}:{line}") for line, rec in _read_jsonl(path)]
-    if path.suffix == ".parquet":
+        records = ((f"{path}:{line}", rec) for line, rec in _read_jsonl(path))
+    elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        return [_to_row(rec, schema, f"{path}: row {i + 1}") for i, rec in enumerate(table.to_pylist())]
-    raise DataError(f"{path}: unsupported format {path.suffix!r} (expected .jsonl or .parquet)")
+        records = ((f"{path}: row {i + 1}", rec) for i, rec in enumerate(pq.read_table(path).to_pylist()))
+    else:
+        raise DataError(f"{path}: unsupported format {path.suffix!r} (expected .jsonl or .parquet)")
+    rows, skipped = [], []
+    for where, rec in records:
+        try:
+            if isinstance(rec, DataError):
+                raise rec
+            rows.append(_to_row(rec, schema, where))
+        except DataError as exc:
+            if bad_rows != "skip":
+                raise
+            skipped.append(str(exc))
+    if skipped:
+        log.warning("%s: skipped %d malformed rows (task.bad_rows=skip):\n  %s", path, len(skipped),
+                    "\n  ".join(skipped[:20]) + (f"\n  ... and {len(skipped) - 20} more" if len(skipped) > 20 else ""))
+        if not rows:
+            raise DataError(f"{path}: every row is malformed; the first: {skipped[0]}")
+    return rows
 
 
 def _read_jsonl(path: Path):
-    with open(path) as f:
+    """(line number, record or the DataError that line is) for every non-blank line."""
+    with open(path, errors="replace") as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{line_no}: invalid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
+                rec = DataError(f"{path}:{line_no}: invalid JSON ({exc.msg} at column {exc.colno})")
+            if not isinstance(rec, (dict, DataError)):
+                rec = DataError(f"{path}:{line_no}: expected a JSON object, got {type(rec).__name__}")
             yield line_no, rec
 
 

@@ -14,7 +14,7 @@ def prepare_data(cfg: TaskConfig) -> tuple[list[TaskRow], list[TaskRow]]:
     """Generated rows are written once (eval disjoint from train) and reloaded from jsonl."""
     if cfg.train_path is not None:
         schema = DataSchema(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
-        return load_rows(cfg.train_path, schema), load_rows(cfg.eval_path, schema)
+        return load_rows(cfg.train_path, schema, cfg.bad_rows), load_rows(cfg.eval_path, schema, cfg.bad_rows)
     key = json.dumps([cfg.name, cfg.params, cfg.train_size, cfg.eval_size, cfg.seed], sort_keys=True)
     folder = Path(cfg.data_dir) / f"{cfg.name.replace(':', '-')}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     train_file, eval_file = folder / "train.jsonl", folder / "eval.jsonl"

@@ -46,7 +46,9 @@ async def start_teachers(cfg, dirs: list[str], student_dir: str, shm_prefix: str
         raise failed[0]
     teachers = []
     for t, d, g in zip(cfg.teachers, dirs, groups):
-        router = Router([], clients=[EngineClient(u, g.api_key) for u in g.urls])
+        health = cfg.rollout.health
+        router = Router([], clients=[EngineClient(u, g.api_key) for u in g.urls], engine_retries=health.engine_retries,
+                        engine_wait_s=health.engine_wait_s)
         info = await router.clients[0].model_info()
         size = info.get("weight_bytes") or sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
         teachers.append(Teacher(t, router, int(size), g))
@@ -80,6 +82,26 @@ async def _follow_mesh(cfg, trainers, teacher: Teacher):
                       extensions=teacher.cfg.kind == "embedded", pause_mode="none")
     await mesh.setup()
     return mesh
+
+
+async def replace_teacher_engine(cfg, manager: TeacherManager, trainers, name: str, idx: int) -> None:
+    """Engine `idx` of teacher `name` (dead, hung or failing) restarted as a new actor from the
+    teacher's weights, released again if the teacher is not resident now; a teacher that follows
+    the student gets its TransferMesh rebuilt and the trainer's current weights (its schedule goes
+    on from the next due step). Then its router sends it requests again."""
+    t = manager.teachers[name]
+    t.router.mark_down(idx)
+    url = await asyncio.to_thread(t.engines.restart, idx)
+    client = EngineClient(url, t.engines.api_key)
+    async with manager.residency:  # no swap while its residency is restored
+        if name in manager.follow:
+            await manager.follow[name].aclose(gone=[f"engine-{idx}"])
+            manager.follow[name] = await _follow_mesh(cfg, trainers, t)
+            async with trainers.stepping:
+                await manager.follow[name].push(await trainers.version())
+        if not t.resident:
+            await client.release_memory()
+    await t.router.replace(idx, client)
 
 
 async def stop_teachers(manager: TeacherManager) -> None:

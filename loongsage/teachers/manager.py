@@ -59,7 +59,7 @@ class TeacherManager:
         self._wake = asyncio.Event()
         self._scheduler: asyncio.Task | None = None
         self._last = {"swaps": 0, "busy": 0.0}
-        self._residency = asyncio.Lock()  # one swap at a time (the scheduler and follow_student both swap)
+        self.residency = asyncio.Lock()  # one swap at a time (the scheduler and follow_student both swap)
         self.follow: dict = {}  # teacher name -> WeightMesh from the trainer (teachers that follow the student)
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -145,7 +145,7 @@ class TeacherManager:
         """Releases idle resident teachers (least recently used first) until `teacher` fits; resumes
         it. False when the residents it needs gone are still busy (the scheduler retries when they
         finish)."""
-        async with self._residency:
+        async with self.residency:
             if teacher.resident:
                 return True
             return await self._swap_in(teacher)

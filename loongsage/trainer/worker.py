@@ -18,6 +18,7 @@ from loongsage.extensions import resolve, use_search_path
 from loongsage.heap import freeze_long_lived
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
+from loongsage.trainer.rng import load_rng, save_rng
 from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.devices import physical_device
 from loongsage.transfer.senders import SENDERS
@@ -130,9 +131,11 @@ class TrainerRank:
     # ---- checkpoints and shutdown -------------------------------------------------------------
     def save(self, path: str) -> None:
         self.backend.save(path)
+        save_rng(path, self.rank)
 
     def load(self, path: str) -> None:
         self.backend.load(path)
+        load_rng(path, self.rank)
 
     def version(self) -> int:
         return self.backend.version

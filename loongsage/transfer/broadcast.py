@@ -28,7 +28,7 @@ from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.dtypes import dtype_from_name
 from loongsage.transfer.receiving import Receiver, apply_update
 from loongsage.transfer.transport import BaseTransport
-from loongsage.wire import Strict, body_of, error, parse
+from loongsage.wire import Strict, body_of, error, openapi_body, parse
 
 
 def new_weight_group(
@@ -98,7 +98,7 @@ class BroadcastReceiver(Receiver):
     def routes(self) -> APIRouter:
         router, host, groups = APIRouter(), self.host, self.groups
 
-        @router.post("/init_weights_update_group")
+        @router.post("/init_weights_update_group", openapi_extra=openapi_body(InitGroup))
         async def init_group(request: Request):
             req = parse(InitGroup, await body_of(request))
             if req.group_name in groups:
@@ -111,7 +111,7 @@ class BroadcastReceiver(Receiver):
                 return error(400, f"cannot join weight update group {req.group_name!r}: {exc}")
             return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
 
-        @router.post("/update_weights_from_distributed")
+        @router.post("/update_weights_from_distributed", openapi_extra=openapi_body(UpdateFromDistributed))
         async def update_from_distributed(request: Request):
             req = parse(UpdateFromDistributed, await body_of(request))
             backend, group = groups.get(req.group_name, (None, None))
@@ -144,7 +144,7 @@ class BroadcastReceiver(Receiver):
 
             return await apply_update(host, receive, req.weight_version, req.flush_cache, req.abort_all_requests)
 
-        @router.post("/destroy_weights_update_group")
+        @router.post("/destroy_weights_update_group", openapi_extra=openapi_body(DestroyGroup))
         async def destroy_group(request: Request):
             req = parse(DestroyGroup, await body_of(request))
             if groups.pop(req.group_name, None) is None:

@@ -22,7 +22,7 @@ from loongsage.models.hf_folder import write_hf_folder
 from loongsage.transfer.dtypes import dtype_from_name
 from loongsage.transfer.receiving import Receiver, apply_update
 from loongsage.transfer.transport import BaseTransport
-from loongsage.wire import Strict, body_of, error, parse
+from loongsage.wire import Strict, body_of, error, openapi_body, parse
 
 
 # ---- engine side ----------------------------------------------------------------------------------
@@ -39,7 +39,7 @@ class DiskReceiver(Receiver):
     def routes(self) -> APIRouter:
         router, host = APIRouter(), self.host
 
-        @router.post("/update_weights_from_disk")
+        @router.post("/update_weights_from_disk", openapi_extra=openapi_body(UpdateFromDisk))
         async def update_from_disk(request: Request):
             req = parse(UpdateFromDisk, await body_of(request))
             try:

@@ -26,7 +26,7 @@ from loongsage.transfer.tensor_handles import (
     shared_buffer,
 )
 from loongsage.transfer.transport import BaseTransport
-from loongsage.wire import Strict, body_of, error, parse
+from loongsage.wire import Strict, body_of, error, openapi_body, parse
 
 
 # ---- engine side ----------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ class MappedReceiver(Receiver):
             except ValueError as exc:
                 return error(400, str(exc))
 
-        @router.post("/flip_weights")
+        @router.post("/flip_weights", openapi_extra=openapi_body(FlipWeights))
         async def flip_weights(request: Request):
             """LoongSage extension: serve the standby buffer from the next step on."""
             req = parse(FlipWeights, await body_of(request))

@@ -17,14 +17,14 @@ from loongsage.transfer.buckets import plan_buckets
 from loongsage.transfer.receiving import Receiver
 from loongsage.transfer.tensor_handles import SharedBuckets
 from loongsage.transfer.transport import BaseTransport
-from loongsage.wire import Strict, body_of, parse
+from loongsage.wire import Strict, body_of, openapi_body, parse
 
 
 # ---- engine side ----------------------------------------------------------------------------------
 class ShareWeights(Strict):
     """LoongSage extension: a relay engine shares the weights it serves with same-host peers."""
     receivers: int = Field(ge=1, le=1024)
-    bucket_mb: float = Field(64.0, gt=0)
+    bucket_mb: float = Field(64.0, gt=0, le=65536)
 
 
 class RelayReceiver(Receiver):
@@ -35,7 +35,7 @@ class RelayReceiver(Receiver):
     def routes(self) -> APIRouter:
         router, host = APIRouter(), self.host
 
-        @router.post("/share_weights")
+        @router.post("/share_weights", openapi_extra=openapi_body(ShareWeights))
         async def share_weights(request: Request):
             """Copies the served weights into reused shared-memory buckets; returns, per bucket, one
             `flattened_bucket` handle per same-host receiver."""

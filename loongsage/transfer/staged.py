@@ -23,7 +23,7 @@ from loongsage.transfer.dtypes import dtype_from_name
 from loongsage.transfer.receiving import Receiver, apply_update
 from loongsage.transfer.tensor_handles import SharedBuckets, deserialize_named_tensors, unflatten_bucket
 from loongsage.transfer.transport import BaseTransport
-from loongsage.wire import Strict, body_of, error, parse
+from loongsage.wire import Strict, body_of, error, openapi_body, parse
 
 
 # ---- engine side ----------------------------------------------------------------------------------
@@ -40,7 +40,7 @@ class StagedReceiver(Receiver):
     def routes(self) -> APIRouter:
         router, host = APIRouter(), self.host
 
-        @router.post("/update_weights_from_tensor")
+        @router.post("/update_weights_from_tensor", openapi_extra=openapi_body(UpdateFromTensor))
         async def update_from_tensor(request: Request):
             req = parse(UpdateFromTensor, await body_of(request))
             if len(req.serialized_named_tensors) != 1:
