@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -87,3 +89,41 @@ def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_p
     # a step trains its batch unless no group in it has a learning signal (all rewards equal)
     assert all(r["samples/trained"] > 0 or r["train/skipped_no_signal"] for r in steps)
     assert sum(r["samples/trained"] > 0 for r in steps) >= 4
+
+
+HANGS_SOMETIMES = """import hashlib, io, os, runpy, sys, time
+task = sys.stdin.read()
+if int(hashlib.sha256(os.environ["LOONGSAGE_SESSION"].encode()).hexdigest(), 16) % 20 == 0:
+    time.sleep(3600)  # hung: never answers, never exits
+sys.stdin = io.StringIO(task)
+runpy.run_path(sys.argv[1], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_hung_black_box_agents_fail_their_episodes_and_the_run_goes_on(ray_session, tmp_path, shared):
+    """One episode in twenty hangs: each is killed at the agent's timeout and fails (its group masked,
+    agent.on_failure=mask); the run goes on with the rest (a step trains unless its groups carry no
+    signal), every prompt drawn has exactly one fate in the ledger, and no agent process is left."""
+    from helpers import processes_mentioning
+    from loongsage.controller.ledger import read_ledger
+
+    agent = tmp_path / "hangs_sometimes.py"
+    agent.write_text(HANGS_SOMETIMES)
+    run = tmp_path / "run"
+    cfg = load_config("recipes/calc_agent_blackbox.yaml", SHORT + shared[0] + [
+        f"run_dir={run}", "train.steps=3", "train.eval_every=3", "train.eval_size=16", "rollout.prompts_per_step=4",
+        f"agent.command=['{{python}}', '{agent}', '{Path('examples/calc_agent_openai.py').resolve()}']",
+        "agent.limits.timeout_s=15", "agent.on_failure=mask"])
+    asyncio.run(train(cfg))
+    steps = _steps(run)
+    assert len(steps) == 3 and all(r["samples/trained"] > 0 or r["train/skipped_no_signal"] for r in steps)
+    assert any(r["samples/trained"] > 0 for r in steps)
+    ledger = read_ledger(run / "prompts.jsonl")
+    assert sorted(x["cursor"] for x in ledger) == list(range(len(ledger)))
+    fates = Counter(x["fate"] for x in ledger)
+    assert fates["failed"] > 0 and fates["trained"] * 8 == sum(r["samples/trained"] for r in steps), fates
+    print(json.dumps({"fault": "1 in 20 black-box episodes hang", "ledger": fates,
+                      "samples/trained": [r["samples/trained"] for r in steps]}))
+    assert not processes_mentioning(str(agent))

@@ -80,7 +80,8 @@ class EngineSupervisor:
 
     def add(self, fleet: Fleet) -> None:
         self.fleets[fleet.name] = fleet
-        fleet.router.on_engine_failure = lambda idx, exc, name=fleet.name: self.on_failure((name, idx), exc)
+        if self.cfg.check_every_s > 0:  # supervision on: the router reports the calls its engines fail
+            fleet.router.on_engine_failure = lambda idx, exc, name=fleet.name: self.on_failure((name, idx), exc)
 
     def _engines(self) -> list[tuple[str, int]]:
         return [(name, i) for name, f in self.fleets.items() for i in range(len(f.router.clients))]

@@ -43,7 +43,8 @@ class EngineHealthConfig(BaseModel):
     """How the controller watches its engines (controller/supervisor.py) and the router fails over."""
     model_config = ConfigDict(extra="forbid")
     check_every_s: float = Field(2.0, ge=0.0, description="seconds between /health probes of each engine; 0 turns "
-                                 "supervision off (an engine that dies then ends the run)")
+                                 "supervision off (an engine that dies is not replaced: calls fail over to the "
+                                 "others, or their rollouts are aborted)")
     timeout_s: float = Field(10.0, gt=0.0, description="a probe (or restart step) slower than this counts as failed")
     failures: int = Field(3, ge=1, description="consecutive failed probes of a live but unhealthy engine (hung, or "
                           "answering errors) before it is restarted; one that is gone is restarted at once")
