@@ -107,3 +107,36 @@ def test_the_gateway_api_survives_fuzzing(gateway_url):
     answer = httpx.post(f"{gateway_url}/v1/chat/completions", headers={"Authorization": "Bearer agent-2"}, timeout=60,
                         json={"model": "policy", "messages": [{"role": "user", "content": "6*7=?"}]})
     assert health.status_code == 200 and answer.status_code == 200, answer.text
+
+
+def _raw_post(url: str, path: str, headers: dict[str, str], body: bytes, timeout_s: float = 20.0) -> bytes:
+    """A POST over a plain socket (so the declared length can lie), returning what the server
+    answers before the client sends anything more."""
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=timeout_s) as sock:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\n{head}\r\n".encode() + body)
+        return sock.recv(65536)
+
+
+def test_an_oversized_body_is_refused_by_its_declared_length_before_it_is_read(engine):
+    """200 MB declared, 20 bytes sent: the engine answers 400 at once (were it reading the body
+    first, the call would wait for bytes that never come and time out)."""
+    answer = _raw_post(engine.url, "/generate", {"Content-Type": "application/json", "Content-Length": "200000000"},
+                       b'{"input_ids": [1, 2,')
+    assert answer.startswith(b"HTTP/1.1 400") and b"exceeds the limit" in answer, answer[:300]
+
+
+def test_the_gateway_refuses_a_body_over_its_limit(gateway_url):
+    gateway_url, _ = gateway_url
+    big = {"model": "policy", "messages": [{"role": "user", "content": "x" * (2 << 20)}]}
+    r = httpx.post(f"{gateway_url}/v1/chat/completions", json=big, headers={"Authorization": "Bearer agent-3"},
+                   timeout=60)
+    assert r.status_code == 413 and "larger than" in r.text
+    answer = _raw_post(gateway_url, "/v1/chat/completions",
+                       {"Authorization": "Bearer agent-3", "Content-Type": "application/json",
+                        "Content-Length": "200000000"}, b'{"model":')
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
