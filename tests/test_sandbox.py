@@ -135,7 +135,9 @@ def test_a_fork_bomb_is_contained(run_files):
         while True:
             os.fork()
     """, timeout_s=10)
-    assert not res.ok and res.reason
+    # contained either way: stopped by the sandbox (time, leftover processes), or every fork refused
+    # at the process limit (EAGAIN) until the bomb's processes all died of it
+    assert not res.ok and (res.reason or "Resource temporarily unavailable" in res.stderr), res
 
 
 def test_memory_time_and_output_limits():
