@@ -146,9 +146,14 @@ class Runtime:
         async with self.sync_lock:  # between two weight updates
             await self.sync.aclose(gone=[f"engine-{idx}"])
             self.sync = await self.remesh()
-            async with self.trainers.stepping:  # whole steps only: the version names these weights
-                await self.sync.push(await self.trainers.version())
+            await self.push_current_weights()
         await self.router.replace(idx, self.client(url))
+
+    async def push_current_weights(self) -> None:
+        """Every engine gets the trainer's weights under the trainer's version, taken between whole
+        steps (the caller holds `sync_lock`)."""
+        async with self.trainers.stepping:
+            await self.sync.push(await self.trainers.version())
 
     async def close(self) -> None:
         await self.router.aclose()

@@ -198,8 +198,8 @@ async def recover_weight_update(supervisor: EngineSupervisor, rt, version: int) 
     await supervisor.check_all()
     await supervisor.settled()
     if not all(await asyncio.gather(*[_serves_at_least(c, version) for c in rt.router.clients])):
-        async with rt.sync_lock, rt.trainers.stepping:
-            await rt.sync.push(await rt.trainers.version())
+        async with rt.sync_lock:
+            await rt.push_current_weights()
     return {"time/weight_sync_s": time.perf_counter() - t0, "weight_sync/bytes": 0.0}
 
 
