@@ -15,6 +15,13 @@ class Timeline:
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
         self.events: list[tuple[str, str, float, float]] = []  # track, name, start s, end s
+        self.counters: list[tuple[str, float, dict[str, float]]] = []  # name, time s, values
+
+    def count(self, name: str, values: dict[str, float]) -> None:
+        """A counter sample now (Perfetto draws each name as a stacked track): e.g. the engines' time
+        split of the step that just ended."""
+        if values:
+            self.counters.append((name, time.perf_counter() - self.t0, values))
 
     def add(self, track: str, name: str, start: float, end: float) -> None:
         self.events.append((track, name, start - self.t0, end - self.t0))
@@ -33,6 +40,8 @@ class Timeline:
         trace = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": tid[t], "args": {"name": t}} for t in tracks]
         trace += [{"name": name, "ph": "X", "pid": 1, "tid": tid[track], "ts": round(s * 1e6),
                    "dur": round((e - s) * 1e6)} for track, name, s, e in self.events]
+        trace += [{"name": name, "ph": "C", "pid": 1, "ts": round(t * 1e6), "args": values}
+                  for name, t, values in self.counters]
         path = Path(path)
         path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
         return path

@@ -51,6 +51,18 @@ def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, sh
     last = sum(r["reward/mean"] for r in steps[-20:]) / 20
     assert last > first + 0.02, (first, last)
     assert any(r["samples/filtered_groups"] > 0 for r in steps)  # dynamic sampling dropped all-equal groups
+    # where the engine's time went, per step: its parts add up to its busy time; a group's 8 samples
+    # prefill their prompt once (the others copy its K/V, counted as cached; a group that max_running
+    # splits over two engine steps prefills twice)
+    for r in steps[1:]:
+        parts = sum(r[f"engine/{k}"] for k in ("prefill_s", "decode_s", "sample_s", "schedule_s"))
+        assert abs(parts - r["engine/busy_s"]) <= 1e-6 + 1e-3 * r["engine/busy_s"], r
+        assert r["engine/http_s"] > 0 and r["engine/decode_s"] > 0 and r["engine/generated_tokens"] > 0
+        if "eval/accuracy" not in r:  # greedy evaluation requests are single samples
+            assert 0 < 4 * r["engine/prefill_tokens"] <= r["engine/cached_tokens"], r
+    trace = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
+    split = [e for e in trace if e.get("ph") == "C" and e["name"].startswith("engines: time split")]
+    assert len(split) == 100 and {"prefill_s", "decode_s", "schedule_s", "http_s"} <= set(split[-1]["args"])
     assert "eval/accuracy" in steps[-1] and summary["eval_after"] == steps[-1]["eval/accuracy"]
     assert (tmp_path / "run" / "checkpoints" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "config.yaml").is_file()

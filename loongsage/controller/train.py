@@ -47,6 +47,7 @@ from loongsage.controller.runtime import SHM_RECORD, Runtime, record_shm_prefix,
 from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
 from loongsage.controller.supervisor import EngineSupervisor, Fleet, recover_weight_update
 from loongsage.metrics import MetricsWriter, read_metrics, truncate_metrics
+from loongsage.rollout.engine_times import ENGINE_SPLIT, EngineTimes
 from loongsage.rollout.resume import system_failure
 from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
@@ -114,7 +115,9 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
         summary["eval_before"] = first["eval/accuracy"]
         console.print(f"held-out accuracy before training: {first['eval/accuracy']:.3f}")
         producing = [asyncio.create_task(src.producer.run()) for src in sources]
-        clock = _Clock([src.producer.busy for src in sources], t_start, [teachers, supervisor])
+        engine_times = EngineTimes(lambda: rt.router.clients)
+        await engine_times.refresh()  # the baseline: the evaluation before training is not a step's
+        clock = _Clock([src.producer.busy for src in sources], t_start, [teachers, supervisor, engine_times])
         # `pending`: (record, weight-update task) of the step whose weights are in flight
         with _progress(console) as bar:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0, completed=start)
@@ -129,7 +132,7 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                     for seq in prepared[3].get(src.name, ()):
                         src.producer.settle(seq, "skipped" if record["train/skipped_no_signal"] else "trained", step)
                 if pending is not None:
-                    _finish(await _delivered(pending), clock, metrics, bar, task)
+                    await _finish(await _delivered(pending), clock, metrics, bar, task, timeline)
                 pending = (record, await _start_weight_update(step, cfg, rt, sources, teachers, timeline,
                                                               changed=not record["train/skipped_no_signal"],
                                                               supervisor=supervisor if watching else None))
@@ -142,7 +145,7 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                         with timeline.span("eval", f"eval {step}"):
                             record.update(await evaluate_sources(sources, cfg.train.eval_temperature))
                         record["time/eval_s"] = time.perf_counter() - t_eval
-                    _finish(record, clock, metrics, bar, task)
+                    await _finish(record, clock, metrics, bar, task, timeline)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
                         await save_checkpoint(run_dir, f"step_{step}", controller_state(step, cfg, sources, ledger),
                                               rt.trainers)
@@ -304,8 +307,11 @@ async def _train(step: int, cfg: RunConfig, rt: Runtime, prepared: tuple[dict, o
     return record
 
 
-def _finish(record: dict, clock: _Clock, metrics: MetricsWriter, bar: Progress, task) -> None:
-    record.update(clock.lap(record["time/train_s"]))
+async def _finish(record: dict, clock: _Clock, metrics: MetricsWriter, bar: Progress, task,
+                  timeline: Timeline) -> None:
+    record.update(await clock.lap(record["time/train_s"]))
+    timeline.count("engines: time split (s per step)", {k.removeprefix("engine/"): record[k] for k in ENGINE_SPLIT
+                                                        if k in record})
     metrics.write(record)
     bar.update(task, advance=1, reward=record["reward/mean"], rate=record["samples/trained"] / record["time/step_s"])
 
@@ -382,7 +388,10 @@ class _Clock:
     def _generating(self) -> float:
         return max(b.now() for b in self.busy)  # sources generate concurrently: the busiest one
 
-    def lap(self, train_s: float) -> dict[str, float]:
+    async def lap(self, train_s: float) -> dict[str, float]:
+        for part in self.machinery:
+            if hasattr(part, "refresh"):
+                await part.refresh()
         now, gen = time.perf_counter(), self._generating()
         total = max(now - self._t, 1e-9)
         out = {"time/step_s": total, "time/generate_s": gen - self._gen,

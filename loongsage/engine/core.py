@@ -34,11 +34,20 @@ log = logging.getLogger("loongsage.engine")
 
 @dataclass
 class EngineStats:
+    """Cumulative counters (GET /get_server_info); the controller logs their per-step differences.
+    busy_s = prefill_s + decode_s + sample_s + schedule_s: model forwards of steps that prefilled
+    (SGLang's prefill batches) and of decode-only steps, sampling, and the rest of the step
+    (admission, slot moves, finishing). http_s is the server's request parsing and response building."""
     steps: int = 0
     generated_tokens: int = 0
     prefill_tokens: int = 0
     cached_tokens: int = 0
     busy_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    schedule_s: float = 0.0
+    http_s: float = 0.0
 
 
 class EngineCore:
@@ -63,7 +72,7 @@ class EngineCore:
         self.weight_version = int(weight_version)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.cache = PrefixCache(enable_prefix_cache)
+        self.cache = PrefixCache(enable_prefix_cache, max_running, self.runner.context_length)
         self.paused = False
         self.stats = EngineStats()
         self._tick = 0
@@ -218,8 +227,13 @@ class EngineCore:
         positions = [s.kv_len for s in self.running[:nd]]
         sample_rows = list(range(nd))
         keep = list(range(nd))
-        prefills, prompt_rows = [], {}
+        prefills, prompt_rows, followers = [], {}, []
+        row_of = {id(s): i for i, s in enumerate(self.running[:nd])}
         for seq in self.running[nd:]:
+            if seq.share_from is not None:
+                followers.append(seq)
+                sample_rows.append(row_of[id(seq.share_from)])
+                continue
             new = seq.all_ids[seq.kv_len:]
             offset = len(tokens)
             prefills.append(Prefill(offset, len(new), seq.slot, seq.kv_len))
@@ -233,18 +247,27 @@ class EngineCore:
             else:
                 keep.append(offset + len(new) - 1)
             sample_rows.append(len(keep) - 1)
+            row_of[id(seq)] = len(keep) - 1
             self.stats.prefill_tokens += len(new)
         plan = BatchPlan(nd, torch.tensor(positions[:nd], dtype=torch.long, device=self.runner.device), prefills)
+        t_fwd = time.perf_counter()
         logits = self.runner.forward(tokens, positions, plan, keep)
+        if followers:
+            self.runner.pool.copy_many([f.share_from.slot for f in followers], [f.slot for f in followers],
+                                       max(f.num_tokens for f in followers))
         top_n = max((s.req.top_logprobs_num for s in self.running if s.req.return_logprob), default=0)
         params = [s.req.params for s in self.running]
+        t_sample = time.perf_counter()
         result = sample(logits[sample_rows], params, [s.generator for s in self.running], top_n)
+        t_post = time.perf_counter()
         version = self.weight_version
         finished = []
         generated = 0
         for i, seq in enumerate(self.running):
             if seq.req.rid in prompt_rows:
                 self._record_prompt_logprobs(seq, logits, *prompt_rows[seq.req.rid])
+            if seq.share_from is not None:
+                self._take_shared_prompt(seq)
             seq.kv_len = seq.num_tokens
             if seq.req.params.max_new_tokens == 0:  # prefill only (scoring given tokens): nothing sampled
                 seq.finish = Finish(FinishKind.LENGTH, length=0)
@@ -264,11 +287,18 @@ class EngineCore:
             elif seq.req.stream:
                 self._notify(seq)
         self.stats.generated_tokens += generated
-        for seq in sorted(finished, key=lambda s: -s.slot):
-            self._remove(seq, keep_cache=True)
+        self._remove_many(finished, keep_cache=True)
+        for seq in finished:
             self._notify(seq)
-        self.stats.steps += 1
-        self.stats.busy_s += time.perf_counter() - t0
+        st, t_end = self.stats, time.perf_counter()
+        st.steps += 1
+        st.busy_s += t_end - t0
+        if prefills:
+            st.prefill_s += t_sample - t_fwd
+        else:
+            st.decode_s += t_sample - t_fwd
+        st.sample_s += t_post - t_sample
+        st.schedule_s += (t_fwd - t0) + (t_end - t_post)
 
     # ---- helpers -----------------------------------------------------------------------
     def _notify(self, seq: Sequence) -> None:
@@ -295,6 +325,12 @@ class EngineCore:
             tv, ti = lp.topk(min(k, lp.shape[-1]), dim=-1) if n else (torch.empty(0, k), torch.empty(0, k))
             seq.input_top = lead + [list(zip(a, b)) for a, b in zip(tv.tolist(), ti.tolist())]
 
+    def _take_shared_prompt(self, seq: Sequence) -> None:
+        leader, seq.share_from = seq.share_from, None
+        seq.input_logprobs, seq.input_top = leader.input_logprobs, leader.input_top
+        seq.cached_tokens = seq.num_tokens
+        self.stats.cached_tokens += seq.num_tokens
+
     def _finish(self, seq: Sequence, tok: int) -> Finish | None:
         p = seq.req.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
@@ -310,25 +346,36 @@ class EngineCore:
         return None
 
     def _admit(self) -> None:
+        """Fills free slots from the queue within the prefill budget. A sequence whose prompt equals
+        one admitted in this step (a group's n samples) shares it: it prefills nothing, gets a copy of
+        the first one's K/V and samples its first token from the same logits with its own generator."""
         budget = self.max_prefill_tokens
+        leaders: dict[tuple, Sequence] = {}
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            need = seq.num_tokens - seq.kv_len
+            key = _share_key(seq)
+            leader = leaders.get(key) if key is not None else None
+            need = 0 if leader is not None else seq.num_tokens - seq.kv_len
             if need > budget and budget < self.max_prefill_tokens:
                 break  # this one waits for the next step; at least one is always admitted
             self.waiting.popleft()
-            self._place(seq)
-            budget -= seq.num_tokens - seq.kv_len
+            self._place(seq, leader)
+            if leader is None:
+                budget -= seq.num_tokens - seq.kv_len
+                if key is not None:
+                    leaders[key] = seq
 
-    def _place(self, seq: Sequence) -> None:
-        """Puts `seq` into slot n = len(running), moving cache entries out of the way."""
+    def _place(self, seq: Sequence, leader: Sequence | None = None) -> None:
+        """Puts `seq` into slot n = len(running), moving cache entries out of the way; with a
+        `leader`, its K/V will be copied from the leader's slot after the forward pass."""
         n = len(self.running)
         pool = self.runner.pool
         limit = seq.num_tokens - 1
         first = self._prompt_logprob_from(seq)
         if first is not None:  # prompt logprobs must be computed, not read from the cache
             limit = min(limit, first - 1)
-        hit, reuse = self.cache.lookup(seq.all_ids, limit)
+        seq.share_from = leader
+        hit, reuse = self.cache.lookup(seq.all_ids, limit) if leader is None else (None, 0)
         occupant = self.cache.get(n)
         if hit is not None:
             entry = self.cache.pop(hit)
@@ -344,7 +391,7 @@ class EngineCore:
         else:
             if occupant is not None:
                 self.cache.pop(n)
-                free = next((s for s in range(n + 1, pool.slots) if s not in self.cache), None)
+                free = self.cache.free_slot(n)
                 if free is None and len(self.cache):
                     free = self.cache.least_recent()
                     self.cache.pop(free)
@@ -357,25 +404,38 @@ class EngineCore:
         self.running.append(seq)
 
     def _remove(self, seq: Sequence, keep_cache: bool) -> None:
-        """Takes `seq` out of the running set, keeping slots 0..n-1 dense."""
-        i, last = seq.slot, len(self.running) - 1
+        self._remove_many([seq], keep_cache)
+
+    def _remove_many(self, seqs: list[Sequence], keep_cache: bool) -> None:
+        """Takes `seqs` out of the running set, keeping slots 0..n-1 dense: the survivors in the last
+        slots move into the holes below, exchanged with the leavers' K/V in one indexed copy per
+        tensor; a leaver's K/V stays in its final slot as a prefix-cache entry when `keep_cache`."""
         pool = self.runner.pool
-        entry = None
-        if (keep_cache and self.cache.enabled and seq.kv_len > 0 and pool.allocated
-                and seq.kv_epoch == self._weights_epoch):  # K/V partly from old weights is not reused
-            entry = CacheEntry(np.asarray(seq.all_ids[:seq.kv_len]), self._tick)
-        if i != last:
-            other = self.running[last]
-            if entry is not None:
-                pool.swap(i, seq.kv_len, last, other.kv_len)
-            else:
-                pool.copy(last, i, other.kv_len)
-            other.slot = i
-            self.running[i] = other
-        self.running.pop()
-        seq.slot = -1
-        if entry is not None:
-            self.cache.put(last, entry)
+        leaving = {s.slot: s for s in seqs}
+        n = len(self.running) - len(seqs)
+        holes = sorted(slot for slot in leaving if slot < n)
+        movers = [s for s in self.running[n:] if s.slot not in leaving]
+        if holes:
+            length = max(s.kv_len for s in movers + [leaving[h] for h in holes])
+            if length > 0 and pool.allocated:
+                pool.exchange(holes, [m.slot for m in movers], length)
+            for hole, mover in zip(holes, movers):
+                leaving[hole].slot, mover.slot = mover.slot, hole
+                self.running[hole] = mover
+        del self.running[n:]
+        for seq in seqs:
+            if (keep_cache and self.cache.enabled and seq.kv_len > 0 and pool.allocated
+                    and seq.kv_epoch == self._weights_epoch):  # K/V partly from old weights is not reused
+                self.cache.put(seq.slot, CacheEntry(np.asarray(seq.all_ids[:seq.kv_len]), self._tick))
+            seq.slot = -1
+
+
+def _share_key(seq: Sequence) -> tuple | None:
+    """What two fresh sequences must have in common to share one prefill (None: never shares)."""
+    r = seq.req
+    if seq.kv_len or seq.output_ids or len(r.input_ids) < 2:
+        return None
+    return tuple(r.input_ids), r.return_logprob, r.logprob_start_len, r.top_logprobs_num
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -97,6 +97,22 @@ class KVPool:
             for t in cache:
                 t[dst, :, :length] = t[src, :, :length]
 
+    def copy_many(self, src: list[int], dst: list[int], length: int) -> None:
+        """copy(src[i], dst[i], length) for all i in one indexed copy per tensor (dst all distinct)."""
+        s = torch.tensor(src, device=self.device)
+        d = torch.tensor(dst, device=self.device)
+        for cache in (self.k, self.v):
+            for t in cache:
+                t[d, :, :length] = t[s, :, :length]
+
+    def exchange(self, a: list[int], b: list[int], length: int) -> None:
+        """Swaps the first `length` positions of slots a[i] and b[i] for all i (all distinct)."""
+        src = torch.tensor(b + a, device=self.device)
+        dst = torch.tensor(a + b, device=self.device)
+        for cache in (self.k, self.v):
+            for t in cache:
+                t[dst, :, :length] = t[src, :, :length]
+
     def swap(self, a: int, len_a: int, b: int, len_b: int) -> None:
         for cache in (self.k, self.v):
             for t in cache:

@@ -2,6 +2,10 @@
 starts with one of their token prefixes reuses it instead of prefilling it again. Entries are
 evicted least recently used first; a weight update drops them all, so K/V computed by old weights is
 never served as new. This module only keeps the entries; moving K/V between slots is the core's.
+
+Lookups run at every admission, so the entries' tokens also live in one [slots, context] table and a
+lookup compares the prompt with every entry in one array operation (a loop over entries cost more
+than the forward pass at 256 admissions a step).
 """
 from __future__ import annotations
 
@@ -17,9 +21,12 @@ class CacheEntry:
 
 
 class PrefixCache:
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, slots: int = 0, context_len: int = 0):
         self.enabled = enabled
         self.entries: dict[int, CacheEntry] = {}  # slot -> entry
+        self._table = np.zeros((slots, context_len), dtype=np.int64)
+        self._lengths = np.zeros(slots, dtype=np.int64)  # 0 where a slot holds no entry
+        self._used = np.zeros(slots, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -31,29 +38,36 @@ class PrefixCache:
         return self.entries.get(slot)
 
     def pop(self, slot: int) -> CacheEntry:
+        self._lengths[slot] = 0
         return self.entries.pop(slot)
 
     def put(self, slot: int, entry: CacheEntry) -> None:
+        n = len(entry.tokens)
+        self._table[slot, :n] = entry.tokens
+        self._lengths[slot] = n
+        self._used[slot] = entry.used
         self.entries[slot] = entry
 
     def clear(self) -> None:
         self.entries.clear()
+        self._lengths[:] = 0
 
     def least_recent(self) -> int:
-        return min(self.entries, key=lambda s: self.entries[s].used)
+        held = np.flatnonzero(self._lengths)
+        return int(held[self._used[held].argmin()])
+
+    def free_slot(self, above: int) -> int | None:
+        """The first slot after `above` that holds no entry (running sequences are below `above`)."""
+        free = np.flatnonzero(self._lengths[above + 1:] == 0)
+        return int(free[0]) + above + 1 if free.size else None
 
     def lookup(self, ids: list[int], limit: int) -> tuple[int | None, int]:
         """(slot, length) of the longest cached prefix of `ids` no longer than `limit`, or (None, 0)."""
-        if not self.entries:
+        m = min(limit, len(ids), self._table.shape[1])
+        if not self.entries or m <= 0:
             return None, 0
-        arr = np.asarray(ids)
-        best, best_len = None, 0
-        for slot, entry in self.entries.items():
-            m = min(len(entry.tokens), limit)
-            if m <= best_len:
-                continue
-            diff = np.flatnonzero(entry.tokens[:m] != arr[:m])
-            common = int(diff[0]) if diff.size else m
-            if common > best_len:
-                best, best_len = slot, common
-        return (best, best_len) if best_len > 0 else (None, 0)
+        equal = self._table[:, :m] == np.asarray(ids[:m])
+        common = np.where(equal.all(axis=1), m, equal.argmin(axis=1))
+        common = np.minimum(common, self._lengths)
+        best = int(common.argmax())
+        return (best, int(common[best])) if common[best] > 0 else (None, 0)

@@ -24,7 +24,9 @@ def generation_routes(core: EngineCore) -> APIRouter:
 
     @router.post("/generate", openapi_extra=openapi_body(S.GenerateRequest))
     async def generate(request: Request):
-        req = S.parse(S.GenerateRequest, await body_of(request))
+        body = await body_of(request)
+        t_parse = time.perf_counter()
+        req = S.parse(S.GenerateRequest, body)
         if core.memory_released:  # it would wait for /resume_memory_occupation, which may never come
             return error(503, "memory released (/release_memory_occupation): nothing can run until "
                               "/resume_memory_occupation")
@@ -35,6 +37,7 @@ def generation_routes(core: EngineCore) -> APIRouter:
             s.on_update = lambda snap: loop.call_soon_threadsafe(queue.put_nowait, snap)
         index = {s.rid: i for i, s in enumerate(seqs)}
         t0 = time.perf_counter()
+        core.stats.http_s += t0 - t_parse
         core.submit(seqs)
 
         def abort_all() -> None:
@@ -42,7 +45,10 @@ def generation_routes(core: EngineCore) -> APIRouter:
                 core.call(core.abort, s.rid, False, "client disconnected")
 
         def render(snap: SeqSnapshot) -> dict:
-            return _render(snap, seqs[index[snap.rid]], core, req.return_text_in_logprobs, time.perf_counter() - t0)
+            t = time.perf_counter()
+            out = _render(snap, seqs[index[snap.rid]], core, req.return_text_in_logprobs, t - t0)
+            core.stats.http_s += time.perf_counter() - t
+            return out
 
         if req.stream:
             async def events():
@@ -76,7 +82,10 @@ def generation_routes(core: EngineCore) -> APIRouter:
                 return error(499, "client closed the request")
             raise
         ordered = [results[s.rid] for s in seqs]
-        return json_response(ordered[0] if single else ordered)
+        t = time.perf_counter()
+        response = json_response(ordered[0] if single else ordered)
+        core.stats.http_s += time.perf_counter() - t
+        return response
 
     return router
 

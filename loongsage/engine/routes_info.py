@@ -42,5 +42,8 @@ def info_routes(core: EngineCore, served_model_name: str | None = None) -> APIRo
         return {"weight_version": str(core.weight_version), "running": len(core.running), "waiting": len(core.waiting),
                 "steps": st.steps, "generated_tokens": st.generated_tokens, "prefill_tokens": st.prefill_tokens,
                 "cached_tokens": st.cached_tokens, "busy_s": st.busy_s,
+                # LoongSage extension: where the engine's time went (core.EngineStats)
+                "prefill_s": st.prefill_s, "decode_s": st.decode_s, "sample_s": st.sample_s,
+                "schedule_s": st.schedule_s, "http_s": st.http_s,
                 "gc_frozen_objects": gc.get_freeze_count()}  # LoongSage extension (heap.py)
     return router

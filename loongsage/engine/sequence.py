@@ -80,6 +80,7 @@ class Sequence:
     cached_tokens: int = 0
     finish: Finish | None = None
     generator: torch.Generator | None = None
+    share_from: Sequence | None = None  # admitted with an equal prompt: copies its K/V (core._admit)
 
     def __post_init__(self) -> None:
         if self.req.params.sampling_seed is not None:
