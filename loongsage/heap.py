@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import gc
 
+FROZEN = {"objects": 0}  # counted once, at the freeze: gc.get_freeze_count() walks them all (~40 ms)
+
 
 def freeze_long_lived() -> int:
     """Collects once, then freezes everything alive; returns the number of objects frozen."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
+    FROZEN["objects"] = gc.get_freeze_count()
+    return FROZEN["objects"]

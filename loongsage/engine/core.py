@@ -78,6 +78,7 @@ class EngineCore:
         self._tick = 0
         self._weights_epoch = 0  # +1 at every weight update: K/V of an older epoch is never cached
         self._inbox: list[Sequence] = []
+        self._copies: list[tuple[int, int, int]] = []  # queued slot moves (src, dst, length) of an admission
         self._commands: list[tuple[Callable, tuple, Future]] = []
         self._cond = threading.Condition()
         self._stop = False
@@ -260,6 +261,7 @@ class EngineCore:
         t_sample = time.perf_counter()
         result = sample(logits[sample_rows], params, [s.generator for s in self.running], top_n)
         t_post = time.perf_counter()
+        new_tokens, new_logprobs = result.tokens.tolist(), result.logprobs.tolist()  # not one tensor read a row
         version = self.weight_version
         finished = []
         generated = 0
@@ -274,9 +276,9 @@ class EngineCore:
                 finished.append(seq)
                 continue
             generated += 1
-            tok = int(result.tokens[i])
+            tok = new_tokens[i]
             seq.output_ids.append(tok)
-            seq.output_logprobs.append(float(result.logprobs[i]))
+            seq.output_logprobs.append(new_logprobs[i])
             seq.output_versions.append(version)
             if seq.req.return_logprob and seq.req.top_logprobs_num > 0:
                 k = seq.req.top_logprobs_num
@@ -364,6 +366,20 @@ class EngineCore:
                 budget -= seq.num_tokens - seq.kv_len
                 if key is not None:
                     leaders[key] = seq
+        self._flush_copies()
+
+    def _defer_copy(self, src: int, dst: int, length: int) -> None:
+        """Queues a cache entry's move out of a slot being filled; the moves of one admission run as
+        one indexed copy per tensor (in order: a move touching a queued one flushes the queue first)."""
+        if any(src == d or dst in (s, d) for s, d, _ in self._copies):
+            self._flush_copies()
+        self._copies.append((src, dst, length))
+
+    def _flush_copies(self) -> None:
+        if self._copies:
+            src, dst, lengths = zip(*self._copies)
+            self.runner.pool.copy_many(list(src), list(dst), max(lengths))
+            self._copies = []
 
     def _place(self, seq: Sequence, leader: Sequence | None = None) -> None:
         """Puts `seq` into slot n = len(running), moving cache entries out of the way; with a
@@ -378,6 +394,7 @@ class EngineCore:
         hit, reuse = self.cache.lookup(seq.all_ids, limit) if leader is None else (None, 0)
         occupant = self.cache.get(n)
         if hit is not None:
+            self._flush_copies()  # the hit's K/V may be one of them
             entry = self.cache.pop(hit)
             if hit != n:
                 if occupant is not None:
@@ -396,7 +413,7 @@ class EngineCore:
                     free = self.cache.least_recent()
                     self.cache.pop(free)
                 if free is not None:
-                    pool.copy(n, free, len(occupant.tokens))
+                    self._defer_copy(n, free, len(occupant.tokens))
                     self.cache.put(free, occupant)
             seq.kv_len = 0
         seq.slot = n

@@ -30,13 +30,44 @@ class Prefill:
 
 
 @dataclass
+class PrefillPack:
+    """Prefills that start from an empty slot, attended in one call: their tokens side by side, each
+    attending causally within its own sequence only."""
+    rows: torch.Tensor  # [F] indices of the tokens in the flattened batch
+    slots: torch.Tensor  # [F] the slot of each token
+    pos: torch.Tensor  # [F] its position in the sequence
+    seq: torch.Tensor  # [F] which prefill of the pack it belongs to
+
+
+PACK_TOKENS = 1024  # the [F, F] mask and scores of a pack stay small
+
+
+@dataclass
 class BatchPlan:
-    """What one forward pass computes: `num_decode` one-token rows, then chunked prefills."""
+    """What one forward pass computes: `num_decode` one-token rows, then the prefills: those from an
+    empty slot in packs (one attention call each), the rest (after a cached prefix) one by one."""
 
     num_decode: int
     decode_pos: torch.Tensor  # [num_decode] position of each decode row's new token
     prefills: list[Prefill]
+    packs: list[PrefillPack] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        fresh = [p for p in self.prefills if p.start == 0]
+        self.prefills = [p for p in self.prefills if p.start != 0]
+        dev = self.decode_pos.device
+        while fresh:
+            group, total = [], 0
+            while fresh and (not group or total + fresh[0].length <= PACK_TOKENS):
+                total += fresh[0].length
+                group.append(fresh.pop(0))
+            rows = torch.cat([torch.arange(p.offset, p.offset + p.length) for p in group])
+            self.packs.append(PrefillPack(
+                rows.to(dev), torch.tensor([p.slot for p in group]).repeat_interleave(
+                    torch.tensor([p.length for p in group])).to(dev),
+                torch.cat([torch.arange(p.length) for p in group]).to(dev),
+                torch.arange(len(group)).repeat_interleave(torch.tensor([p.length for p in group])).to(dev)))
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         key = ("decode", window)
@@ -47,6 +78,16 @@ class BatchPlan:
             if window:
                 ok &= cols > self.decode_pos[:, None] - window
             self._masks[key] = ok[:, None, None, :]
+        return self._masks[key]
+
+    def pack_mask(self, i: int, window: int | None) -> torch.Tensor:
+        key = ("pack", i, window)
+        if key not in self._masks:
+            pack = self.packs[i]
+            ok = (pack.seq[:, None] == pack.seq[None, :]) & (pack.pos[None, :] <= pack.pos[:, None])
+            if window:
+                ok &= pack.pos[None, :] > pack.pos[:, None] - window
+            self._masks[key] = ok
         return self._masks[key]
 
     def prefill_mask(self, p: Prefill, window: int | None, device) -> torch.Tensor:
@@ -143,6 +184,13 @@ def slot_attention(module, query, key, value, attention_mask, scaling=None, drop
             qd, K[:nd, :, :L], V[:nd, :, :L], attn_mask=plan.decode_mask(window), scale=scaling
         )
         out[:nd] = o.reshape(nd, H, D)
+    for i, pack in enumerate(plan.packs):
+        kp, vp = k[:, pack.rows], v[:, pack.rows]
+        K[pack.slots, :, pack.pos] = kp.transpose(0, 1)
+        V[pack.slots, :, pack.pos] = vp.transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[None, :, pack.rows], kp[None], vp[None], attn_mask=plan.pack_mask(i, window),
+                                           scale=scaling, enable_gqa=kvh != H)
+        out[pack.rows] = o[0].transpose(0, 1)
     for p in plan.prefills:
         end = p.start + p.length
         K[p.slot, :, p.start:end] = k[:, p.offset:p.offset + p.length]

@@ -57,9 +57,10 @@ class PrefixCache:
         return int(held[self._used[held].argmin()])
 
     def free_slot(self, above: int) -> int | None:
-        """The first slot after `above` that holds no entry (running sequences are below `above`)."""
+        """The last slot after `above` that holds no entry (running sequences are below `above`, and
+        new ones fill the slots just above it: the last free slot is the one they reach last)."""
         free = np.flatnonzero(self._lengths[above + 1:] == 0)
-        return int(free[0]) + above + 1 if free.size else None
+        return int(free[-1]) + above + 1 if free.size else None
 
     def lookup(self, ids: list[int], limit: int) -> tuple[int | None, int]:
         """(slot, length) of the longest cached prefix of `ids` no longer than `limit`, or (None, 0)."""

@@ -1,12 +1,11 @@
 """Information routes: health, model info, server counters (no side effects)."""
 from __future__ import annotations
 
-import gc
-
 from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
 from loongsage.engine.core import EngineCore
+from loongsage.heap import FROZEN
 
 
 def info_routes(core: EngineCore, served_model_name: str | None = None) -> APIRouter:
@@ -45,5 +44,5 @@ def info_routes(core: EngineCore, served_model_name: str | None = None) -> APIRo
                 # LoongSage extension: where the engine's time went (core.EngineStats)
                 "prefill_s": st.prefill_s, "decode_s": st.decode_s, "sample_s": st.sample_s,
                 "schedule_s": st.schedule_s, "http_s": st.http_s,
-                "gc_frozen_objects": gc.get_freeze_count()}  # LoongSage extension (heap.py)
+                "gc_frozen_objects": FROZEN["objects"]}  # LoongSage extension (heap.py)
     return router

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 from loongsage.sample import Sample
@@ -93,12 +94,14 @@ def collate(samples: list[Sample], pad_id: int, teachers: list[str] | None = Non
     (gives `version_lag`, which splits the gap metrics from the off-policy ones)."""
     L = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     B = len(samples)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, L), dtype=torch.long)
-    for i, s in enumerate(samples):
-        ids = s.prompt_ids + s.response_ids
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        attention[i, : len(ids)] = 1
+    input_ids = np.full((B, L), pad_id, dtype=np.int64)
+    attention = np.zeros((B, L), dtype=np.int64)
+    for i, s in enumerate(samples):  # numpy row writes: a torch.tensor per row cost ~20 ms a 256-sample step
+        n = len(s.prompt_ids) + len(s.response_ids)
+        input_ids[i, : len(s.prompt_ids)] = s.prompt_ids
+        input_ids[i, len(s.prompt_ids): n] = s.response_ids
+        attention[i, : n] = 1
+    input_ids, attention = torch.from_numpy(input_ids), torch.from_numpy(attention)
 
     def columns(values, fill: float = 0.0) -> torch.Tensor:
         return _response_columns(samples, L - 1, values, fill)
@@ -116,13 +119,13 @@ def collate(samples: list[Sample], pad_id: int, teachers: list[str] | None = Non
 def _response_columns(samples: list[Sample], width: int, values, fill: float) -> torch.Tensor:
     """[B, width] float: row i holds `values(samples[i])` (one per response token, or None) in the
     columns that score those tokens, `fill` everywhere else."""
-    out = torch.full((len(samples), width), fill)
+    out = np.full((len(samples), width), fill, dtype=np.float32)
     for i, s in enumerate(samples):
         v = values(s)
         if v is not None and s.response_ids:
             lo = len(s.prompt_ids) - 1
-            out[i, lo: lo + len(s.response_ids)] = torch.tensor(v, dtype=torch.float32)
-    return out
+            out[i, lo: lo + len(s.response_ids)] = v
+    return torch.from_numpy(out)
 
 
 def version_lags(versions: list[int], trained_version: int) -> list[int]:

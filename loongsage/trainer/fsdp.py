@@ -1,4 +1,5 @@
-"""Torch FSDP2 backend: `fully_shard` per decoder layer and at the root, gloo on CPU, NCCL on GPU.
+"""Torch FSDP2 backend: `fully_shard` per decoder layer and at the root (one fp32 rank: the plain module),
+gloo on CPU, NCCL on GPU.
 
 The loss of a step is the sum over micro-batches and ranks of per-token terms divided by the
 *global* denominator, so 1 rank and N ranks (and any micro-batch size) give the same update.
@@ -39,11 +40,15 @@ class FSDPBackend:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         model.to(self.device)
-        mesh = init_device_mesh(self.device.type, (self.world,))
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 else MixedPrecisionPolicy()
-        for layer in _decoder_layers(model):
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        if self.world > 1 or cfg.bf16:
+            # One fp32 rank has nothing to shard, gather or cast: the hooks would only cost time
+            # (~25% of a small model's step on one CPU thread); the rest of this class takes both.
+            mesh = init_device_mesh(self.device.type, (self.world,))
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16
+                  else MixedPrecisionPolicy())
+            for layer in _decoder_layers(model):
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas,
                                            weight_decay=cfg.weight_decay)
