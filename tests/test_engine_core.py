@@ -91,7 +91,8 @@ def test_prefix_cache_finds_the_longest_prefix_and_the_oldest_entry():
     assert cache.lookup([1, 2, 3, 4, 5], limit=3) in ((2, 3),)
     assert cache.lookup([1, 2, 9, 9], limit=10) == (4, 3)
     assert cache.lookup([5, 6], limit=10) == (None, 0)
-    assert cache.least_recent() == 4
+    assert cache.least_recent() == 4 and cache.least_recent(above=3) == 4 and cache.least_recent(exclude={4}) == 2
+    assert cache.least_recent(above=4) is None
     assert cache.free_slot(1) == 5 and cache.free_slot(2) == 5 and cache.free_slot(5) is None
     cache.pop(2)
     assert cache.lookup([1, 2, 3, 4], limit=10) == (4, 2)

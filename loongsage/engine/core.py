@@ -79,6 +79,8 @@ class EngineCore:
         self._weights_epoch = 0  # +1 at every weight update: K/V of an older epoch is never cached
         self._inbox: list[Sequence] = []
         self._copies: list[tuple[int, int, int]] = []  # queued slot moves (src, dst, length) of an admission
+        self._copy_dsts: set[int] = set()
+        self._fill_to = 0  # slots below it may be filled by the admission under way
         self._commands: list[tuple[Callable, tuple, Future]] = []
         self._cond = threading.Condition()
         self._stop = False
@@ -353,6 +355,7 @@ class EngineCore:
         the first one's K/V and samples its first token from the same logits with its own generator."""
         budget = self.max_prefill_tokens
         leaders: dict[tuple, Sequence] = {}
+        self._fill_to = min(len(self.running) + len(self.waiting), self.max_running)
         while self.waiting and len(self.running) < self.max_running:
             seq = self.waiting[0]
             key = _share_key(seq)
@@ -369,17 +372,18 @@ class EngineCore:
         self._flush_copies()
 
     def _defer_copy(self, src: int, dst: int, length: int) -> None:
-        """Queues a cache entry's move out of a slot being filled; the moves of one admission run as
-        one indexed copy per tensor (in order: a move touching a queued one flushes the queue first)."""
-        if any(src == d or dst in (s, d) for s, d, _ in self._copies):
+        """Queues a cache entry's move out of a slot being filled; an admission's moves run as one
+        indexed copy per tensor (a move that touches a queued one flushes the queue first)."""
+        if src in self._copy_dsts or dst in self._copy_dsts:
             self._flush_copies()
         self._copies.append((src, dst, length))
+        self._copy_dsts.add(dst)
 
     def _flush_copies(self) -> None:
         if self._copies:
             src, dst, lengths = zip(*self._copies)
             self.runner.pool.copy_many(list(src), list(dst), max(lengths))
-            self._copies = []
+            self._copies, self._copy_dsts = [], set()
 
     def _place(self, seq: Sequence, leader: Sequence | None = None) -> None:
         """Puts `seq` into slot n = len(running), moving cache entries out of the way; with a
@@ -407,11 +411,15 @@ class EngineCore:
             self.stats.cached_tokens += reuse
         else:
             if occupant is not None:
+                # It moves above the slots this admission may fill (to a free slot, else over the least
+                # recently used entry there), so the admission's moves never chain; no room: dropped.
                 self.cache.pop(n)
-                free = self.cache.free_slot(n)
-                if free is None and len(self.cache):
-                    free = self.cache.least_recent()
-                    self.cache.pop(free)
+                above = self._fill_to - 1
+                free = self.cache.free_slot(above)
+                if free is None:
+                    free = self.cache.least_recent(above, exclude=self._copy_dsts)
+                    if free is not None:
+                        self.cache.pop(free)
                 if free is not None:
                     self._defer_copy(n, free, len(occupant.tokens))
                     self.cache.put(free, occupant)

@@ -139,20 +139,18 @@ class KVPool:
                 t[dst, :, :length] = t[src, :, :length]
 
     def copy_many(self, src: list[int], dst: list[int], length: int) -> None:
-        """copy(src[i], dst[i], length) for all i in one indexed copy per tensor (dst all distinct)."""
+        """copy(src[i], dst[i], length) for all i in one gather and one index_copy_ per tensor (dst
+        all distinct; every source is read before any destination is written)."""
         s = torch.tensor(src, device=self.device)
         d = torch.tensor(dst, device=self.device)
         for cache in (self.k, self.v):
             for t in cache:
-                t[d, :, :length] = t[s, :, :length]
+                view = t[:, :, :length]  # index_copy_ on the view: ~3x faster than t[d, :, :n] = t[s, :, :n]
+                view.index_copy_(0, d, view.index_select(0, s))
 
     def exchange(self, a: list[int], b: list[int], length: int) -> None:
         """Swaps the first `length` positions of slots a[i] and b[i] for all i (all distinct)."""
-        src = torch.tensor(b + a, device=self.device)
-        dst = torch.tensor(a + b, device=self.device)
-        for cache in (self.k, self.v):
-            for t in cache:
-                t[dst, :, :length] = t[src, :, :length]
+        self.copy_many(b + a, a + b, length)
 
     def swap(self, a: int, len_a: int, b: int, len_b: int) -> None:
         for cache in (self.k, self.v):

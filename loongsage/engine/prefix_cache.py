@@ -52,13 +52,15 @@ class PrefixCache:
         self.entries.clear()
         self._lengths[:] = 0
 
-    def least_recent(self) -> int:
-        held = np.flatnonzero(self._lengths)
-        return int(held[self._used[held].argmin()])
+    def least_recent(self, above: int = -1, exclude: set[int] | None = None) -> int | None:
+        """The slot after `above` of the least recently used entry, not one of `exclude`; or None."""
+        held = np.flatnonzero(self._lengths[above + 1:]) + above + 1
+        if exclude:
+            held = held[~np.isin(held, list(exclude))]
+        return int(held[self._used[held].argmin()]) if held.size else None
 
     def free_slot(self, above: int) -> int | None:
-        """The last slot after `above` that holds no entry (running sequences are below `above`, and
-        new ones fill the slots just above it: the last free slot is the one they reach last)."""
+        """The last slot after `above` that holds no entry."""
         free = np.flatnonzero(self._lengths[above + 1:] == 0)
         return int(free[-1]) + above + 1 if free.size else None
 
