@@ -236,7 +236,8 @@ def test_a_released_teacher_is_resumed_on_demand_and_scores_identically(engine, 
 def test_concurrent_work_for_two_teachers_under_a_budget_of_one_completes(engine, engine_b, tiny_model,
                                                                           tiny_model_b):
     """Groups finish in any order in the async pipeline: interleaved scoring for two teachers that
-    cannot be resident together all completes, batched per teacher (few swaps)."""
+    cannot be resident together all completes, batched per teacher: jobs that arrive while the
+    resident teacher is busy cost one swap per teacher change, not one per job."""
     ta = Teacher(TeacherConfig(name="a", model=tiny_model), Router([engine.url]), 10)
     tb = Teacher(TeacherConfig(name="b", model=tiny_model_b), Router([engine_b.url]), 10)
     mgr = TeacherManager([ta, tb], budget_bytes=10)
@@ -244,18 +245,24 @@ def test_concurrent_work_for_two_teachers_under_a_budget_of_one_completes(engine
     async def go():
         try:
             await mgr.start()
-            samples = [Sample([10, 11, 12], [30 + i, 31], [1, 1], [0.0, 0.0], [0, 0]) for i in range(12)]
-            jobs = []
-            for i, s in enumerate(samples):  # a, b, a, b, ... arriving while earlier ones are being scored
+            first = [Sample([10, 11, 12], [30 + (j % 40) for j in range(96)], [1] * 96, [0.0] * 96, [0] * 96)
+                     for _ in range(16)]  # a long group keeps teacher a busy while the rest arrive
+            samples = [Sample([10, 11, 12], [30 + i, 31], [1, 1], [0.0, 0.0], [0, 0]) for i in range(1, 12)]
+            jobs = [asyncio.create_task(mgr.score_group(Group(first, [0.0] * 16), {"a": 1.0}))]
+            await asyncio.sleep(0)
+            for i, s in enumerate(samples, start=1):  # b, a, b, a, ... arriving while a is scoring
                 jobs.append(asyncio.create_task(mgr.score_group(Group([s], [0.0]), {"ab"[i % 2]: 1.0})))
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0)
+            busy_when_all_queued = ta.inflight > 0
             await asyncio.wait_for(asyncio.gather(*jobs), timeout=120)
-            return samples, mgr.metrics()["teacher/swaps"]
+            return first + samples, busy_when_all_queued, mgr.metrics()["teacher/swaps"]
         finally:
             await mgr.close()
             await _resume_all(engine.url, engine_b.url)
-    samples, swaps = run(go())
-    assert all(len(s.teacher) == 1 for s in samples) and swaps <= 4
+    samples, busy_when_all_queued, swaps = run(go())
+    assert busy_when_all_queued, "the interleaved jobs must arrive while teacher a is still scoring"
+    assert all(len(s.teacher) == 1 for s in samples)
+    assert swaps == 2  # b swapped in once for all its jobs, then a once for the rest of its jobs
 
 
 def test_teacher_memory_benchmark_holds_one_teacher_under_a_budget_of_one():
