@@ -15,7 +15,7 @@ from loongsage.tasks.prepare import prepare_data
 
 
 def test_generators_are_seeded_and_verifiers_score_the_answer():
-    for name in ["arithmetic", "calculator", "reverse"]:
+    for name in ["arithmetic", "calculator", "reverse", "count"]:
         spec = get_task(name)
         a, b = spec.generate(20, seed=3), spec.generate(20, seed=3)
         assert [r.to_json() for r in a] == [r.to_json() for r in b]
@@ -29,6 +29,19 @@ def test_generators_are_seeded_and_verifiers_score_the_answer():
     calc = get_task("calculator").generate(1, seed=0)[0]
     assert calc.tools[0]["function"]["name"] == "calculator" and calc.prompt[0]["role"] == "user"
     assert evaluate_expression(calc.meta["expression"]) == calc.answer
+
+
+def test_count_outputs_spread_from_a_few_tokens_to_over_a_hundred():
+    """The long workload (benchmarks/vs_trl.py --workload long): outputs of very uneven length."""
+    spec = get_task("count")
+    rows = spec.generate(2000, seed=0)
+    assert len({r.prompt for r in rows}) == 2000  # enough distinct problems for train + eval
+    lengths = sorted(len(r.answer) for r in rows)
+    assert lengths[0] <= 8 and lengths[-1] >= 110 and lengths[len(lengths) // 2] >= 40
+    row = next(r for r in rows if r.prompt.startswith("count:9"))
+    a, b = (int(x) for x in row.prompt[len("count:"):-1].split(".."))
+    assert row.answer.split() == [str(i) for i in range(a, b + 1)]
+    assert spec.reward(row.answer + " " + str(b + 1), row) == 0.0  # counting past the end earns nothing
 
 
 def test_calculator_refuses_anything_but_arithmetic():

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("loongsage.rollout")
 
-COUNTERS = ("prefill_s", "decode_s", "sample_s", "schedule_s", "http_s", "busy_s",
+COUNTERS = ("prefill_s", "decode_s", "sample_s", "schedule_s", "http_s", "busy_s", "steps",
             "prefill_tokens", "cached_tokens", "generated_tokens")
 ENGINE_SPLIT = tuple(f"engine/{k}" for k in ("prefill_s", "decode_s", "sample_s", "schedule_s", "http_s"))
 

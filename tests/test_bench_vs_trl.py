@@ -1,0 +1,39 @@
+"""benchmarks/vs_trl.py without TRL (an extra CI does not install): every workload's recipe with its
+schedule is a valid run config, and the comparison point is chosen as documented."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from loongsage.config import load_config
+
+BENCH = Path(__file__).parents[1] / "benchmarks" / "vs_trl.py"
+
+
+@pytest.fixture(scope="module")
+def vs_trl():
+    spec = importlib.util.spec_from_file_location("vs_trl", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_workload_is_a_valid_run_with_its_own_schedule(vs_trl):
+    schedules = {}
+    for name, work in vs_trl.WORKLOADS.items():
+        cfg = load_config(work["recipe"], [f"train.steps={work['max_steps']}", *work["schedule"]])
+        schedules[name] = cfg.rollout.max_staleness
+        assert cfg.train.steps == work["max_steps"] and work["max_steps"] % work["eval_every"] == 0
+    assert schedules == {"short": 0, "long": 1}  # the choices the module docstring explains
+    long = load_config(vs_trl.WORKLOADS["long"]["recipe"])
+    assert long.task.name == "count" and long.sampling.max_new_tokens >= 128
+
+
+def test_the_comparison_point_is_the_first_eval_at_the_target_or_the_last_step(vs_trl):
+    curve = [(0, 5.0, 0.30), (10, 20.0, 0.38), (20, 35.0, 0.41), (30, 50.0, 0.39), (40, 65.0, 0.45)]
+    assert vs_trl.reached(curve, 0.40, 40) == (20, 35.0, 0.41)
+    assert vs_trl.reached(curve, 0.50, 40) is None  # never reached: no ratio
+    assert vs_trl.reached(curve, None, 40) == (40, 65.0, 0.45)  # equal work: after the steps
+    assert vs_trl.reached(curve[:-1], None, 40) is None  # a run that stopped early did not do the work
