@@ -23,6 +23,7 @@ from loongsage.models.config import ModelConfig
 from loongsage.rollout.config import RolloutConfig, SamplingConfig
 from loongsage.tasks.config import TaskConfig
 from loongsage.teachers.config import TeacherConfig
+from loongsage.tracking.config import TrackingConfig
 from loongsage.trainer.config import SFTConfig, TrainerConfig
 from loongsage.transfer.config import TransferConfig
 
@@ -97,6 +98,7 @@ class RunConfig(BaseModel):
     ray: RayConfig = RayConfig()
     demo: DemoConfig = DemoConfig()
     transfer: TransferConfig = TransferConfig()
+    metrics: TrackingConfig = TrackingConfig()
     data_sources: list[DataSourceConfig] = Field(default_factory=list, description="several sources mixed in exact "
                                                  "proportions; empty: one source from task/agent/sampling")
     teachers: list[TeacherConfig] = Field(default_factory=list, description="teacher models for distillation")

@@ -1,4 +1,5 @@
-"""Metric records: one JSON object per training step in `metrics.jsonl`, mirrored to TensorBoard.
+"""Metric records: one JSON object per training step in `metrics.jsonl`, mirrored to the tracking
+backends of `metrics.backends` (TensorBoard by default; W&B, MLflow: `loongsage/tracking/`).
 
 Stable names (DESIGN.md's run-directory contract): step, version, reward/mean, reward/<tag>/mean,
 samples/trained, samples/dropped_stale, samples/cancelled, samples/filtered_groups, samples/aborted_by_system,
@@ -16,39 +17,37 @@ import json
 import math
 from pathlib import Path
 
+from loongsage.tracking import open_backends
+from loongsage.tracking.config import TrackingConfig
+
 REQUIRED = ["step", "version", "reward/mean", "samples/trained", "samples/dropped_stale", "staleness/mean",
             "staleness/max", "mismatch/kl", "mismatch/abs_logprob_diff", "time/step_s",
             "time/generate_busy_frac", "time/train_busy_frac", "time/weight_sync_s"]
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resumed_at: int | None = None):
-        """`resumed_at`: the step a resumed run continues after; TensorBoard drops what the run it
-        resumes had logged beyond it (the redone steps appear once, as in metrics.jsonl)."""
+    def __init__(self, run_dir: str | Path, tracking: TrackingConfig | None = None, resumed_at: int | None = None,
+                 run_name: str | None = None, config: dict | None = None):
+        """`tracking`: the backends that mirror metrics.jsonl (default: TensorBoard); `resumed_at`:
+        the step a resumed run continues after; `config`: the run's config, kept with the run by
+        the backends that keep one."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a")
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"),
-                                     purge_step=None if resumed_at is None else resumed_at + 1)
+        self._backends = open_backends(tracking or TrackingConfig(), run_dir, run_name or Path(run_dir).name, config,
+                                       resumed_at)
 
     def write(self, record: dict) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for k, v in clean.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, record["step"])
-            self._tb.flush()
+        for backend in self._backends:
+            backend.log(clean, record["step"])
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for backend in self._backends:
+            backend.close()
 
 
 def truncate_metrics(run_dir: str | Path, step: int) -> None:

@@ -12,7 +12,7 @@ stamp=.venv/.loongsage-installed
 want=$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing LoongSage and its pinned CPU dependencies into .venv (about a minute)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[dev,megatron]" 2>&1 \
+  .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints/cpu.txt -e ".[dev,megatron,tracking]" 2>&1 \
     | grep -v "is ignored: it is neither a file nor a directory" || true
   .venv/bin/python -c "import torch, transformers, ray, loongsage" 
   echo "$want" > "$stamp"

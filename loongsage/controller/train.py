@@ -75,7 +75,8 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     record_shm_prefix(run_dir, rt.shm_prefix)
     if state is not None:
         truncate_metrics(run_dir, state.step)
-    metrics = MetricsWriter(run_dir, resumed_at=state.step if state else None)
+    metrics = MetricsWriter(run_dir, cfg.metrics, resumed_at=state.step if state else None, run_name=run_dir.name,
+                            config=cfg.model_dump(mode="json"))
     ledger = PromptLedger(run_dir / "prompts.jsonl", state.ledger_lines if state else 0,
                           state.settled if state else None)
     timeline = Timeline()
