@@ -157,7 +157,7 @@ class RunConfig(BaseModel):
     def resolve_run_dir(self) -> Path:
         if self.run_dir is None:
             self.run_dir = str(Path("runs") / f"{self.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        return Path(self.run_dir)
+        return Path(self.run_dir).resolve()  # absolute: actors on other nodes write checkpoints there
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -28,7 +28,7 @@ def base_policy_dir(cfg) -> Path:
         key = [model, parts, cfg.bootstrap.sft.model_dump(exclude={"threads"}), cfg.seed]
     name = "+".join(s.task.name.replace(":", "-") for s in cfg.sources())
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    return Path(cfg.bootstrap.cache_dir) / f"{name}-{digest}"
+    return Path(cfg.bootstrap.cache_dir).resolve() / f"{name}-{digest}"  # absolute: actors on other nodes
 
 
 async def ensure_base_policy(cfg, console: Console | None = None) -> Path:

@@ -3,7 +3,9 @@ stopped together (so SFT, bootstrap and RL share one way of bringing a run up an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import json
 import re
 import secrets
 import shutil
@@ -29,6 +31,14 @@ from loongsage.transfer.tensor_handles import SHM_PREFIX
 from loongsage.transfer.topology import plan
 
 SHM_RECORD = "shm_prefix"  # RUN_DIR file naming the run's /dev/shm prefix while it runs
+
+
+def record_transfer_plan(run_dir: Path, mesh: WeightMesh) -> None:
+    """RUN_DIR/transfer_plan.json: the weight-sync routes planned from where Ray placed the actors."""
+    p = mesh.plan
+    (run_dir / "transfer_plan.json").write_text(json.dumps({
+        "sender": {"name": p.sender.name, "host": p.sender.host, "device": p.sender.device},
+        "routes": [dataclasses.asdict(r) for r in p.routes], "text": p.format()}, indent=1))
 
 
 def record_shm_prefix(run_dir: Path, prefix: str) -> None:

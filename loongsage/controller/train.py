@@ -43,7 +43,13 @@ from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy, teacher_models
 from loongsage.controller.checkpoint import controller_state, latest_checkpoint, read_state, save_checkpoint
 from loongsage.controller.ledger import PromptLedger
-from loongsage.controller.runtime import SHM_RECORD, Runtime, record_shm_prefix, remove_crashed_shm
+from loongsage.controller.runtime import (
+    SHM_RECORD,
+    Runtime,
+    record_shm_prefix,
+    record_transfer_plan,
+    remove_crashed_shm,
+)
 from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
 from loongsage.controller.supervisor import EngineSupervisor, Fleet, recover_weight_update
 from loongsage.metrics import MetricsWriter, read_metrics, truncate_metrics
@@ -73,6 +79,7 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                              with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer, reference_dir=str(base))
     start = 0 if state is None else state.step
     record_shm_prefix(run_dir, rt.shm_prefix)
+    record_transfer_plan(run_dir, rt.sync)
     if state is not None:
         truncate_metrics(run_dir, state.step)
     metrics = MetricsWriter(run_dir, cfg.metrics, resumed_at=state.step if state else None, run_name=run_dir.name,

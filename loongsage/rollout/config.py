@@ -61,6 +61,9 @@ class RolloutConfig(BaseModel):
                                "embedded with engine.device=cuda) reserves in Ray; fractions share a GPU with the trainer, "
                                "which puts weight sync on the cuda_ipc route")
     num_engines: int = Field(1, ge=1)
+    engine_resources: dict[str, float] = Field(default_factory=dict, description=(
+        "Ray custom resources each engine actor requests, which places it on the nodes that offer them "
+        "(`ray start --resources '{\"rollout\": 4}'`)"))
     engine_threads: int = Field(1, ge=1)
     prompts_per_step: int = Field(32, ge=1)
     dynamic_sampling: bool = Field(True, description="drop groups whose rewards are all equal; sample more")

@@ -57,7 +57,7 @@ class EngineGroup:
                  shm_prefix: str = SHM_PREFIX, weight_roots: tuple[str, ...] = ()):
         on_gpu = rollout.engine == "sglang" or engine_cfg.device.startswith("cuda")
         gpus = rollout.engine_gpus if on_gpu else 0
-        actor = ray.remote(num_cpus=0, num_gpus=gpus)(EngineActor)
+        actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=dict(rollout.engine_resources))(EngineActor)
         self.api_key = secrets.token_urlsafe(32)  # clients: Router(urls, api_key=...), EngineClient(url, api_key)
         self._new = lambda cfg=engine_cfg: actor.remote(str(model_path), cfg, rollout.engine_threads, rollout.engine,
                                                         self.api_key, shm_prefix, [str(r) for r in weight_roots])

@@ -32,6 +32,8 @@ class TrainerConfig(BaseModel):
     gpus_per_rank: float = Field(1.0, gt=0, le=1, description="GPUs each rank reserves in Ray when device is cuda "
                                  "(below 1 to share a GPU with an SGLang engine)")
     cpu_affinity: list[int] | None = Field(None, description="pin each rank to these CPU cores (Linux)")
+    resources: dict[str, float] = Field(default_factory=dict, description=(
+        "Ray custom resources each rank requests, which places it on the nodes that offer them"))
     seed: int = 0
 
     @model_validator(mode="after")

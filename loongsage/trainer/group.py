@@ -22,7 +22,8 @@ class TrainerGroup:
         self.cfg = cfg
         self.stepping = asyncio.Lock()  # held for a whole run step (all its optimizer steps)
         world = cfg.world_size
-        actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0)(TrainerRank)
+        actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0,
+                           resources=dict(cfg.resources))(TrainerRank)
         self.ranks = [actor.remote(cfg, str(model_path), r, world, shm_prefix, search_path()) for r in range(world)]
         try:
             master = ray.get(self.ranks[0].open_rendezvous.remote())  # on rank 0's node, by rank 0
