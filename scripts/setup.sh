@@ -17,3 +17,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -c "import torch, transformers, ray, loongsage" 
   echo "$want" > "$stamp"
 fi
+# SGLang's wheel, read but never installed (it needs CUDA to import): tests/test_sglang_contract.py
+# checks LoongSage's requests and weight buckets against SGLang's own source in it.
+if ! ls .cache/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1; then
+  .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps sglang==0.5.23 -d .cache/wheels 2>&1 \
+    | grep -v "is ignored: it is neither a file nor a directory" || true
+fi

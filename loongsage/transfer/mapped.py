@@ -39,20 +39,20 @@ class MappedWeights:
         if len(dtypes) != 1:
             raise ValueError(f"mapped weights need one parameter dtype, the model has {sorted(map(str, dtypes))}")
         self.layout = flat_layout(list(params.items()))
-        numel = self.layout[-1]["end"]
+        numel = self.layout[-1].end_idx
         dtype = dtypes.pop()
         device = next(iter(params.values())).device  # on a GPU the handles are CUDA IPC handles (cuda_ipc route)
         self.buffers = [shared_buffer(numel, dtype, device, shm_prefix) for _ in range(2)]
         self.active = 0
         with torch.no_grad():
             for m in self.layout:
-                self.buffers[0][m["start"]:m["end"]].copy_(params[m["name"]].reshape(-1))
+                self.buffers[0][m.start_idx:m.end_idx].copy_(params[m.name].reshape(-1))
         self._point(params, 0)
 
     def _point(self, params: dict[str, torch.Tensor], idx: int) -> None:
         buf = self.buffers[idx]
         for m in self.layout:
-            params[m["name"]].data = buf[m["start"]:m["end"]].view(m["shape"])
+            params[m.name].data = buf[m.start_idx:m.end_idx].view(m.shape)
         self.active = idx
 
     def handles(self) -> list[str]:
@@ -64,7 +64,7 @@ class MappedWeights:
         if standby != 1 - self.active:
             raise ValueError(f"flip to buffer {standby}, but buffer {self.active} is the active one")
         start = self.buffers[self.active].untyped_storage().data_ptr()
-        first = params[self.layout[0]["name"]]
+        first = params[self.layout[0].name]
         if first.untyped_storage().data_ptr() != start:
             raise RuntimeError("the weights were replaced since they were mapped (memory released?); map them again")
         self._point(params, standby)
@@ -139,7 +139,7 @@ class MappedSender:
         exported = {m[0] for m in self.source.meta}
         for name, pair in handles.items():
             self.mapped[name] = [deserialize_named_tensors(h, self.source.shm_prefix) for h in pair]
-            missing = sorted({m["name"] for m in self.mapped[name][0]["metadata"]} - exported)
+            missing = sorted({m.name for m in self.mapped[name][0]["metadata"]} - exported)
             if missing:
                 raise KeyError(f"receiver {name} maps {missing}, which the trainer does not export")
         return True
@@ -183,7 +183,7 @@ class MappedSender:
 def _slices(payload: dict) -> dict[str, slice]:
     """Where each tensor sits in a mapped flat buffer (computed once per buffer, kept with it)."""
     if "_slices" not in payload:
-        payload["_slices"] = {m["name"]: slice(m["start"], m["end"]) for m in payload["metadata"]}
+        payload["_slices"] = {m.name: slice(m.start_idx, m.end_idx) for m in payload["metadata"]}
     return payload["_slices"]
 
 

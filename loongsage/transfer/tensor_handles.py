@@ -17,6 +17,7 @@ import re
 import secrets
 from collections.abc import Iterable
 from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
 
 import torch
 import torch.multiprocessing as tmp
@@ -39,6 +40,7 @@ _ALLOWED = {
     ("torch._utils", "_rebuild_tensor_v2"),
     ("collections", "OrderedDict"),
     ("builtins", "slice"),
+    ("types", "SimpleNamespace"),  # flattened-bucket metadata (SGLang admits it too)
 }
 
 
@@ -58,11 +60,17 @@ def serialize_flattened_bucket(named: list[tuple[str, torch.Tensor]] | dict, pre
     return _dump({"flattened_tensor": _shared(flat, prefix), "metadata": flat_layout(items)})
 
 
-def flat_layout(items: list[tuple[str, torch.Tensor]]) -> list[dict]:
-    """Where each tensor sits in a flattened bucket: name, shape and [start, end) in elements."""
+def flat_layout(items: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> list[SimpleNamespace]:
+    """Where each tensor sits in a flattened bucket, in SGLang's `FlattenedTensorMetadata` fields
+    (name, shape, dtype, start_idx, end_idx, numel), so SGLang's own `FlattenedTensorBucket` rebuilds
+    the tensors. A bucket holds one dtype, so offsets count its elements (SGLang's own buckets are
+    bytes; its reconstruction slices, then views, and reads either). A SimpleNamespace because
+    SGLang's restricted unpickler admits it and reads the fields as attributes. `dtype`: the
+    bucket's, when the tensors are cast on their way in (default: each tensor's own)."""
     meta, start = [], 0
     for name, t in items:
-        meta.append({"name": name, "shape": list(t.shape), "start": start, "end": start + t.numel()})
+        meta.append(SimpleNamespace(name=name, shape=torch.Size(t.shape), dtype=dtype or t.dtype, start_idx=start,
+                                    end_idx=start + t.numel(), numel=t.numel()))
         start += t.numel()
     return meta
 
@@ -72,8 +80,8 @@ def unflatten_bucket(payload) -> list[tuple[str, torch.Tensor]]:
         raise ValueError("flattened_bucket: expected a dict with 'flattened_tensor' and 'metadata'")
     flat = payload["flattened_tensor"]
     try:
-        return [(m["name"], flat[m["start"]:m["end"]].view(m["shape"])) for m in payload["metadata"]]
-    except (KeyError, TypeError, RuntimeError) as exc:
+        return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in payload["metadata"]]
+    except (AttributeError, TypeError, RuntimeError) as exc:
         raise ValueError(f"flattened_bucket: bad metadata ({exc})") from None
 
 
@@ -135,11 +143,12 @@ class SharedBuckets:
 
     def fill_one(self, k: int, bucket: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None) -> float:
         """Bucket `k` alone (buckets are filled in order: 0, 1, ...); returns its bytes."""
-        meta = flat_layout(bucket)
+        dtype = dtype or bucket[0][1].dtype
+        meta = flat_layout(bucket, dtype)
         if k > len(self._bufs):
             raise IndexError(f"bucket {k} filled before bucket {len(self._bufs)}")
         if k == len(self._bufs) or self._bufs[k][1] != meta:  # a new layout: a new buffer, once
-            buf = shared_buffer(sum(t.numel() for _, t in bucket), dtype or bucket[0][1].dtype, self.device,
+            buf = shared_buffer(sum(t.numel() for _, t in bucket), dtype, self.device,
                                 self.prefix)
             if k < len(self._bufs):
                 release_shared(self._bufs[k][0])
@@ -149,7 +158,7 @@ class SharedBuckets:
         buf = self._bufs[k][0]
         with torch.no_grad():  # sources may be parameters; the buffers stay plain tensors
             for m, (_, t) in zip(meta, bucket):  # no temporary: straight into the slice
-                buf[m["start"]: m["end"]].copy_(t.reshape(-1))
+                buf[m.start_idx:m.end_idx].copy_(t.reshape(-1))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # receivers read as soon as they get the handle
         return float(buf.numel() * buf.element_size())
