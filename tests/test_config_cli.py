@@ -90,3 +90,13 @@ def test_make_model_and_data_commands(tmp_path, capsys):
     assert "config error: model: hidden_size 128 must be divisible by num_heads 5" in capsys.readouterr().err
     assert main(["data", "reverse", f"data_dir={tmp_path / 'd'}", "train_size=20", "eval_size=5"]) == 0
     assert "20 train rows, 5 eval rows" in capsys.readouterr().out
+
+
+
+def test_sglang_engines_hold_no_request_across_a_weight_update():
+    """SGLang labels a response with one version: a run with SGLang engines aborts requests at an
+    update (they continue from their tokens), so no token is passed off as fresher than it is."""
+    assert load_config("recipes/arith_grpo.yaml").rollout.pause_mode == "in_place"
+    assert load_config("recipes/arith_grpo.yaml", ["rollout.engine=sglang"]).rollout.pause_mode == "abort"
+    with pytest.raises(ConfigError, match="pause_mode=in_place with engine=sglang.*pause_mode=abort"):
+        load_config("recipes/arith_grpo.yaml", ["rollout.engine=sglang", "rollout.pause_mode=in_place"])

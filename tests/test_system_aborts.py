@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+import pytest
 from transformers import AutoTokenizer
 
 from helpers import with_client as _with_client
@@ -65,12 +66,24 @@ async def _once_generating(client: EngineClient, at_least: int = 8) -> None:
         await asyncio.sleep(0.01)
 
 
-def _interrupted(url: str, start, interrupt=None, retries: int = 2):
+class StockSGLangView(EngineClient):
+    """The embedded engine as a stock SGLang server answers: one weight version per response, no
+    per-token versions (LoongSage's protocol extension dropped)."""
+
+    async def _post(self, path, body=None):
+        out = await super()._post(path, body)
+        for o in out if isinstance(out, list) else [out]:
+            if isinstance(o, dict):
+                o.get("meta_info", {}).pop("output_token_weight_versions", None)
+        return out
+
+
+def _interrupted(url: str, start, interrupt=None, retries: int = 2, client=EngineClient):
     """Runs `start(router)` and, once the engine is generating for it, `interrupt(control, router)`
     (default: abort every request, as a pause does); returns what `start` returned and the tokens
     the engine generated meanwhile."""
     async def go():
-        control, router = EngineClient(url), Router([url], abort_retries=retries)
+        control, router = EngineClient(url), Router([], clients=[client(url)], abort_retries=retries)
         try:
             before = (await control.server_info())["generated_tokens"]
             task = asyncio.create_task(start(router))
@@ -84,13 +97,16 @@ def _interrupted(url: str, start, interrupt=None, retries: int = 2):
     return asyncio.run(go())
 
 
-def test_a_system_abort_is_continued_and_each_token_keeps_its_version(engine):
-    """A weight-version update that aborts running requests (SGLang's default) mid-generation: the
-    router continues the request on the new version; the caller gets all 200 tokens, the first ones
-    of version 0 and the rest of version 7, with a logprob each; the engine's work is one request's."""
+@pytest.mark.parametrize("client", [EngineClient, StockSGLangView], ids=["per_token_versions", "stock_sglang"])
+def test_a_system_abort_is_continued_and_each_token_keeps_its_version(engine, client):
+    """A weight-version update that aborts running requests (SGLang's default, and pause_mode abort,
+    which a run with SGLang engines always uses) mid-generation: the router continues the request on
+    the new version; the caller gets all 200 tokens, the first ones of version 0 and the rest of
+    version 7, with a logprob each; the engine's work is one request's. Exact also where the engine
+    reports one version per response (stock SGLang): each segment ran under one version."""
     try:
         (out,), work = _interrupted(engine.url, lambda r: r.generate(PROMPT, LONG, session="s", return_logprob=True),
-                                    lambda c, r: c.update_weight_version(7, abort_all_requests=True))
+                                    lambda c, r: c.update_weight_version(7, abort_all_requests=True), client=client)
     finally:
         asyncio.run(_with_client(engine.url, lambda c: c.update_weight_version(0)))
     assert out.finish_type == "length" and out.resumed == 1
@@ -98,6 +114,14 @@ def test_a_system_abort_is_continued_and_each_token_keeps_its_version(engine):
     cut = out.versions.index(7)
     assert 0 < cut < 200 and set(out.versions[:cut]) == {0} and set(out.versions[cut:]) == {7}
     assert work == 200  # the continuation did not regenerate the tokens it had
+    async def probe():
+        c = client(engine.url)
+        try:
+            return await c.generate(PROMPT, {"max_new_tokens": 2})
+        finally:
+            await c.aclose()
+    short = asyncio.run(probe())
+    assert (short.output_versions is None) == (client is StockSGLangView)  # the view drops them indeed
 
 
 def test_a_cancelled_request_is_not_continued(engine):

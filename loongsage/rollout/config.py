@@ -70,14 +70,30 @@ class RolloutConfig(BaseModel):
     max_sampling_rounds: int = Field(4, ge=1, description="at most this many batches' worth of groups drawn per step")
     max_staleness: int = Field(0, ge=0, description="k: train a group at step t only if t-1 - min_version <= k; 0 = sync")
     max_inflight_groups: int | None = Field(None, ge=1, description="default: (k + 1) * prompts_per_step")
-    pause_mode: str = Field("in_place", pattern="^(in_place|retract|abort|none)$",
-                            description="how engines hold in-flight requests during a weight update")
+    pause_mode: str | None = Field(None, pattern="^(in_place|retract|abort|none)$", description=(
+        "how engines hold in-flight requests during a weight update; default in_place for the embedded engine, "
+        "abort for SGLang (which reports no per-token versions: a request must not run across an update)"))
     seeded_sampling: bool = Field(False, description="a sampling seed per prompt instance (single-turn rollouts), so "
                                   "that a resumed run samples what the interrupted one would have; costs the embedded "
                                   "engine a per-row noise draw (~1 ms per 256-row decode step on CPU)")
     abort_retries: int = Field(2, ge=0, description="times a request the system aborted (not cancelled) is continued "
                                "from its tokens so far; still aborted, its group is masked (samples/aborted_by_system)")
     health: EngineHealthConfig = Field(default_factory=EngineHealthConfig)
+
+    @model_validator(mode="after")
+    def _exact_versions(self) -> RolloutConfig:
+        """SGLang labels a response with one weight version, the one serving when it ends: a request
+        that ran across an update would pass its older tokens off as fresher (and the staleness
+        window would under-count them). With `abort` an update ends requests at its boundary and the
+        router continues them from their tokens, one version per segment, so every label is exact."""
+        if self.pause_mode is None:
+            self.pause_mode = "abort" if self.engine == "sglang" else "in_place"
+        elif self.engine == "sglang" and self.pause_mode != "abort":
+            raise ValueError(f"pause_mode={self.pause_mode} with engine=sglang: SGLang reports no per-token weight "
+                             "versions, so requests must not run across a weight update; use pause_mode=abort (the "
+                             "default for SGLang: an update ends them at its boundary and they continue from their "
+                             "tokens)")
+        return self
     weight_bucket_mb: float = Field(64.0, gt=0)
     window: WindowStrategyName = Field("staleness", description="staleness: take finished groups as they finish; "
                                        "windowed_fifo: only within B of the oldest uncollected group; or module:attr "

@@ -29,7 +29,9 @@ class GenerateOutput:
 
     @property
     def versions(self) -> list[int]:
-        """Per output token policy version; a stock SGLang server reports one version per request."""
+        """Per output token policy version. A stock SGLang server reports one version per response;
+        that is exact because a run with SGLang engines ends requests at every weight update
+        (`rollout.pause_mode: abort`) and continues them as new segments."""
         if self.output_versions is not None:
             return list(self.output_versions)
         return [self.weight_version] * len(self.output_ids)
