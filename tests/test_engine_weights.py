@@ -17,7 +17,7 @@ from loongsage.models.config import TinyModelSpec
 from loongsage.models.factory import build_tiny_model
 from loongsage.rollout.client import EngineError
 from loongsage.rollout.launcher import launch_engine
-from loongsage.transfer.broadcast import broadcast, new_weight_group
+from loongsage.transfer.broadcast import broadcast, new_weight_group, wire_bucket
 from loongsage.transfer.dtypes import dtype_name
 from loongsage.transfer.tensor_handles import serialize_flattened_bucket, serialize_named_tensors
 
@@ -96,7 +96,7 @@ def test_update_from_distributed_gloo_equals_fresh_engine(reset_engine, engine_b
             shapes=[list(named[n].shape) for n in names], weight_version=7, group_name=group_name,
             flattened=flattened))
         if flattened:
-            await asyncio.to_thread(broadcast, pg, torch.cat([named[n].reshape(-1) for n in names]))
+            await asyncio.to_thread(broadcast, pg, wire_bucket([named[n] for n in names], None, "cpu"))
         else:
             for n in names:
                 await asyncio.to_thread(broadcast, pg, named[n].contiguous())

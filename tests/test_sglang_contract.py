@@ -186,3 +186,23 @@ def test_the_old_metadata_form_is_what_sglang_rejected(sglang_src):
     loaded = ns["SafeUnpickler"](io.BytesIO(pickle.dumps(old))).load()
     with pytest.raises(AttributeError):
         ns["_update_weights_from_flattened_bucket"](types.SimpleNamespace(get_model=lambda: None), loaded)
+
+
+def test_a_broadcast_bucket_is_the_byte_tensor_sglang_receives(sglang_src):
+    """/update_weights_from_distributed with flattened_bucket: SGLang allocates the bucket's bytes
+    (FlattenedTensorBucket.empty) and broadcasts into them; the trainer sends exactly such a tensor
+    (a collective needs the same dtype and count on every rank), which SGLang rebuilds exactly."""
+    from loongsage.transfer.broadcast import wire_bucket
+
+    ns = _sglang_namespace(sglang_src)
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(7))]
+    for dtype in (torch.float32, torch.bfloat16):
+        wire = wire_bucket([t for _, t in named], dtype, "cpu")
+        body = P.build_update_from_distributed([n for n, _ in named], [str(dtype).removeprefix("torch.")] * 2,
+                                               [list(t.shape) for _, t in named], 1, flattened=True)
+        bucket = ns["FlattenedTensorBucket"].empty(body["names"], body["dtypes"], body["shapes"], "cpu")
+        into = bucket.get_flattened_tensor()
+        assert (into.dtype, into.numel()) == (wire.dtype, wire.numel())  # what the collective requires
+        into.copy_(wire)  # what the broadcast does
+        for (name, want), (got_name, got) in zip(named, bucket.reconstruct_tensors()):
+            assert got_name == name and torch.equal(got, want.to(dtype))

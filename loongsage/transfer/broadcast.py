@@ -3,7 +3,8 @@ gloo (CPU) or NCCL (GPU) group of their own, exactly as SGLang's `/init_weights_
 `/update_weights_from_distributed` define it. Trainer rank 0 opens the group's store on its own
 node's address (`cluster/network.py: Rendezvous`) and is rank 0; the receivers join as 1..N.
 
-Buckets of about `bucket_mb` travel as single flat tensors (flattened_bucket): rank 0 packs each
+Buckets of about `bucket_mb` travel as the bytes of one flat tensor (flattened_bucket: a uint8
+tensor, as SGLang's `FlattenedTensorBucket.empty` receives it; `wire_bucket`): rank 0 packs each
 bucket (a snapshot) and a sender thread broadcasts it, so bucket k is on the wire while k + 1 is
 gathered and packed, and the next train step may start once the last is packed; each receiver takes
 the same bucket through its route. The last bucket carries the new version.
@@ -54,6 +55,13 @@ def new_weight_group(
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, opts)
     raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
+
+
+def wire_bucket(tensors: list[torch.Tensor], dtype: torch.dtype | None, device) -> torch.Tensor:
+    """One bucket as it goes on the wire: the tensors flattened into one of `dtype` (default: theirs),
+    sent as its bytes, which is what SGLang's receiver allocates (uint8, the bucket's byte size)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    return flat.to(device=device, dtype=dtype or flat.dtype).view(torch.uint8)
 
 
 def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
@@ -131,8 +139,9 @@ class BroadcastReceiver(Receiver):
                     if len(set(dtypes)) != 1:
                         raise ValueError("flattened_bucket needs one dtype for all tensors")
                     sizes = [int(torch.Size(s).numel()) for s in req.shapes]
-                    flat = torch.empty(sum(sizes), dtype=dtypes[0], device=dev)
-                    broadcast(group, flat)
+                    raw = torch.empty(sum(sizes) * dtypes[0].itemsize, dtype=torch.uint8, device=dev)
+                    broadcast(group, raw)  # the bucket's bytes (SGLang's FlattenedTensorBucket.empty does the same)
+                    flat = raw.view(dtypes[0])
                     named = [(n, p.view(s)) for n, p, s in zip(req.names, flat.split(sizes), req.shapes)]
                 else:
                     named = []
@@ -195,10 +204,9 @@ class BroadcastSender:
         try:
             for names, sd in self.source.export(buckets):
                 if self.source.rank == 0:
-                    flat = torch.cat([sd[n].reshape(-1) for n in names])
-                    flat = flat.to(device=self.source.device, dtype=cast or flat.dtype)  # NCCL: on the GPU
+                    flat = wire_bucket([sd[n] for n in names], cast, self.source.device)  # NCCL: on the GPU
                     packed.put(flat)
-                    sent += flat.numel() * flat.element_size()
+                    sent += flat.numel()
         finally:
             packed.put(None)  # the thread stops after the last bucket (or at once, if packing failed)
         return sent
