@@ -79,6 +79,14 @@ class RolloutConfig(BaseModel):
     abort_retries: int = Field(2, ge=0, description="times a request the system aborted (not cancelled) is continued "
                                "from its tokens so far; still aborted, its group is masked (samples/aborted_by_system)")
     health: EngineHealthConfig = Field(default_factory=EngineHealthConfig)
+    weight_bucket_mb: float = Field(64.0, gt=0)
+    window: WindowStrategyName = Field("staleness", description="staleness: take finished groups as they finish; "
+                                       "windowed_fifo: only within B of the oldest uncollected group; or module:attr "
+                                       "of a window strategy class (window.py)")
+    filters: list[DataFilter] = Field(default_factory=list, description="module:attr (or registered) filters "
+                                      "(group) -> keep?, applied with dynamic_sampling")
+    client: ClientClass | None = Field(None, description="module:attr of an InferenceClient class (base_url, api_key) "
+                                       "instead of the built-in SGLang-protocol HTTP client")
 
     @model_validator(mode="after")
     def _exact_versions(self) -> RolloutConfig:
@@ -94,11 +102,3 @@ class RolloutConfig(BaseModel):
                              "default for SGLang: an update ends them at its boundary and they continue from their "
                              "tokens)")
         return self
-    weight_bucket_mb: float = Field(64.0, gt=0)
-    window: WindowStrategyName = Field("staleness", description="staleness: take finished groups as they finish; "
-                                       "windowed_fifo: only within B of the oldest uncollected group; or module:attr "
-                                       "of a window strategy class (window.py)")
-    filters: list[DataFilter] = Field(default_factory=list, description="module:attr (or registered) filters "
-                                      "(group) -> keep?, applied with dynamic_sampling")
-    client: ClientClass | None = Field(None, description="module:attr of an InferenceClient class (base_url, api_key) "
-                                       "instead of the built-in SGLang-protocol HTTP client")

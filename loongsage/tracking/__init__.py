@@ -27,6 +27,18 @@ def open_backends(cfg: TrackingConfig, run_dir: str | Path, run_name: str, confi
     return out
 
 
+def kept_run_id(run_dir: Path, backend: str, new) -> str:
+    """The backend's run id for this run directory: the one kept in RUN_DIR/tracking/<backend>_run_id
+    (a resumed run continues that run), or `new()`'s, kept there now."""
+    id_file = run_dir / "tracking" / f"{backend}_run_id"
+    if id_file.is_file():
+        return id_file.read_text().strip()
+    run_id = new()
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(run_id)
+    return run_id
+
+
 def numeric(record: dict) -> dict[str, float]:
     """The record's numbers (not the step itself, booleans or missing values)."""
     return {k: float(v) for k, v in record.items()

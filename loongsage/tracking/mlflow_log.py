@@ -7,12 +7,13 @@ import os
 import time
 from pathlib import Path
 
-from loongsage.tracking import numeric
+from loongsage.tracking import kept_run_id, numeric
 from loongsage.tracking.config import TrackingConfig
 
 
 class MlflowLog:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict | None, resumed_at: int | None):
+        from mlflow.entities import Metric
         from mlflow.tracking import MlflowClient
 
         uri = cfg.mlflow_tracking_uri
@@ -20,27 +21,25 @@ class MlflowLog:
             uri = (run_dir / "mlruns").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
-        id_file = run_dir / "tracking" / "mlflow_run_id"
-        id_file.parent.mkdir(parents=True, exist_ok=True)
-        if id_file.is_file():
-            self.run_id = id_file.read_text().strip()
-        else:
+
+        def new_run() -> str:
             exp = self.client.get_experiment_by_name(cfg.project)
             exp_id = exp.experiment_id if exp else self.client.create_experiment(cfg.project)
-            self.run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
-            id_file.write_text(self.run_id)
+            run_id = self.client.create_run(exp_id, run_name=run_name).info.run_id
             if config:
-                self.client.log_dict(self.run_id, config, "config.json")
+                self.client.log_dict(run_id, config, "config.json")
+            return run_id
+
+        self.run_id = kept_run_id(run_dir, "mlflow", new_run)
+        self._metric = Metric
         self._after = resumed_at
 
     def log(self, record: dict, step: int) -> None:
         if self._after is not None and step <= self._after:
             return
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
         # MLflow keys allow letters, digits and _-./ and spaces: LoongSage's names (reward/mean) fit
-        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in numeric(record).items()])
+        self.client.log_batch(self.run_id, metrics=[self._metric(k, v, now, step) for k, v in numeric(record).items()])
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 from pathlib import Path
 
-from loongsage.tracking import numeric
+from loongsage.tracking import kept_run_id, numeric
 from loongsage.tracking.config import TrackingConfig
 
 
@@ -13,10 +13,7 @@ class WandbLog:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, run_name: str, config: dict | None, resumed_at: int | None):
         import wandb
 
-        id_file = run_dir / "tracking" / "wandb_run_id"
-        id_file.parent.mkdir(parents=True, exist_ok=True)
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
-        id_file.write_text(run_id)
+        run_id = kept_run_id(run_dir, "wandb", lambda: secrets.token_hex(4))
         self._run = wandb.init(project=cfg.project, name=run_name, id=run_id, dir=str(run_dir), mode=cfg.wandb_mode,
                                config=config, resume="allow", reinit="create_new",
                                settings=wandb.Settings(silent=True, x_disable_stats=True, console="off"))
