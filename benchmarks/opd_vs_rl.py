@@ -4,7 +4,7 @@ same held-out accuracy.
 1. RL (GRPO, the arith recipe) from the base policy until the teacher's accuracy; on the way it passes
    the target, and its time to the target is RL's.
 2. OPD: the same base policy distils from that RL-trained policy as its teacher (pure distillation,
-   full-vocabulary reverse KL, the same prompts and sampling), until the target.
+   full-vocabulary forward KL on its own samples, the same prompts and sampling), until the target.
 
     python benchmarks/opd_vs_rl.py [--target 0.38] [--teacher-accuracy 0.45] [recipe overrides ...]
 
@@ -32,6 +32,14 @@ def time_to(run_dir: str, target: float) -> tuple[float | None, int | None]:
     return None, None
 
 
+def opd_config(recipe: str, common: list[str], run_dir: str, target: float, teacher: str):
+    """The OPD run: the recipe's base policy and data, pure distillation from `teacher` (a model folder)."""
+    return load_config(recipe, common + [
+        f"run_dir={run_dir}", f"train.target_accuracy={target}", "algo.loss.is_mode=none",
+        "algo.loss.distill.gkd_coef=1.0", "algo.loss.distill.gkd_signal=full_fkl", "trainer.lr=5e-4",
+        f"teachers=[{{name: rl_teacher, model: {teacher}}}]"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="recipes/arith_grpo.yaml")
@@ -52,10 +60,7 @@ def main() -> None:
     teacher_acc = [r["eval/accuracy"] for r in read_metrics(rl_dir) if "eval/accuracy" in r][-1]
     rl_s, rl_steps = time_to(rl_dir, args.target)
     opd_dir = tempfile.mkdtemp(prefix="bench-opd-")
-    asyncio.run(train(load_config(args.recipe, common + [
-        f"run_dir={opd_dir}", f"train.target_accuracy={args.target}", "algo.loss.is_mode=none",
-        "algo.loss.distill.gkd_coef=1.0", "algo.loss.distill.gkd_signal=full_kl", "trainer.lr=1e-3",
-        f"teachers=[{{name: rl_teacher, model: {teacher}}}]"])))
+    asyncio.run(train(opd_config(args.recipe, common, opd_dir, args.target, teacher)))
     opd_s, opd_steps = time_to(opd_dir, args.target)
     print(f"{'':10}{'seconds':>10}{'steps':>8}")
     print(f"{'RL':10}{rl_s or float('nan'):>10.1f}{rl_steps or 0:>8}")

@@ -61,6 +61,8 @@ def test_full_vocabulary_kl_and_jsd_match_a_dense_computation():
     dense_jsd = 0.5 * (q * (q.log() - m.log())).sum(-1) + 0.5 * (p * (p.log() - m.log())).sum(-1)
     assert torch.allclose(D.support_divergence("full_kl", q.log(), p.log()), dense_kl, atol=1e-12)
     assert torch.allclose(D.support_divergence("full_jsd", q.log(), p.log()), dense_jsd, atol=1e-12)
+    dense_fkl = (p * (p.log() - q.log())).sum(-1)
+    assert torch.allclose(D.support_divergence("full_fkl", q.log(), p.log()), dense_fkl, atol=1e-12)
 
 
 def test_top_k_kl_counts_the_rest_of_the_mass_as_one_bucket():
@@ -68,6 +70,8 @@ def test_top_k_kl_counts_the_rest_of_the_mass_as_one_bucket():
     p = t([0.6, 0.3, 0.1])
     got = D.support_divergence("topk_kl", q[:2].log(), p[:2].log()).item()
     assert got == pytest.approx(sum(a * math.log(a / b) for a, b in zip(q.tolist(), p.tolist())))
+    fkl = D.support_divergence("topk_fkl", q[:2].log(), p[:2].log()).item()
+    assert fkl == pytest.approx(sum(b * math.log(b / a) for a, b in zip(q.tolist(), p.tolist())))
     jsd = D.support_divergence("topk_jsd", q[:2].log(), p[:2].log()).item()
     m = (q + p) / 2
     assert jsd == pytest.approx(0.5 * (q * (q / m).log()).sum().item() + 0.5 * (p * (p / m).log()).sum().item())
@@ -188,6 +192,30 @@ def test_teacher_scores_equal_a_full_forward_of_the_teacher(engine_b, tiny_model
     assert scores.top_ids == top.indices.tolist()
     assert [[round(v, 4) for v in row] for row in scores.top_logprobs] == \
         [[round(v, 4) for v in row] for row in top.values.tolist()]
+
+
+def test_tokens_after_the_last_trained_one_are_not_sent_to_the_teacher(engine_b, tiny_model_b):
+    """An agent's last tool result follows its last model turn: never distilled, and it may take the
+    sequence past the agent's token limit and the teacher's context (256 here). Only the tokens up to
+    the last trained one are scored; the rest get placeholders of the same shape (loss mask 0)."""
+    prompt, trained, inserted = [10, 11, 12, 13], [20, 21, 22, 23], [30] * 300
+    response = trained[:2] + [31, 32] + trained[2:] + inserted
+    mask = [1, 1, 0, 0, 1, 1] + [0] * len(inserted)
+    teacher = Teacher(TeacherConfig(name="b", model=tiny_model_b), Router([engine_b.url]), 1)
+    mgr = TeacherManager([teacher], None, top_k=4)
+
+    async def go():
+        await mgr.start()
+        s = Sample(prompt, response, mask, [0.0] * len(response), [0] * len(response))
+        await mgr.score_group(Group([s], [0.0]), {"b": 1.0})
+        await mgr.close()
+        return s.teacher["b"]
+    scores = run(go())
+    assert len(scores.logprobs) == len(scores.top_ids) == len(scores.top_logprobs) == len(response)
+    ref = reference_logprobs(tiny_model_b, prompt + response[:6])
+    want = [ref[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(response[:6])]
+    assert scores.logprobs[:6] == pytest.approx(want, abs=1e-4)
+    assert all(row == scores.top_ids[5] for row in scores.top_ids[6:])
 
 
 async def _resume_all(*urls: str) -> None:

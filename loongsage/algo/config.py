@@ -19,10 +19,10 @@ class DistillConfig(BaseModel):
     objective (GKD-style, `gkd_coef` = g; 1 is pure distillation and needs no task reward)."""
     model_config = ConfigDict(extra="forbid")
     pg_coef: float = Field(0.0, ge=0.0, description="lambda in A_t - lambda * d_t")
-    pg_signal: Literal["k1", "topk_kl", "topk_jsd", "full_kl", "full_jsd"] = Field(
+    pg_signal: Literal["k1", "topk_kl", "topk_fkl", "topk_jsd", "full_kl", "full_fkl", "full_jsd"] = Field(
         "k1", description="the divergence that shapes the advantage (k1: signed, sampled token)")
     gkd_coef: float = Field(0.0, ge=0.0, le=1.0, description="g in (1 - g) * L_RL + g * L_GKD")
-    gkd_signal: Literal["k2", "k3", "topk_kl", "topk_jsd", "full_kl", "full_jsd"] = Field(
+    gkd_signal: Literal["k2", "k3", "topk_kl", "topk_fkl", "topk_jsd", "full_kl", "full_fkl", "full_jsd"] = Field(
         "k3", description="the divergence minimised as a loss (k1 has a zero-mean gradient on-policy: not offered)")
     top_k: int = Field(16, ge=1, description="teacher tokens per position for topk_* signals")
 

@@ -1,15 +1,18 @@
 """On-policy distillation as pure functions: per-token divergences between the student (the policy
 being trained, on its own samples) and one or more teachers, and the two roles they play in the loss.
 
-All divergences are reverse, student || teacher (the student's samples weight them). Tensors are
+Divergences are reverse, student || teacher (the student's samples weight them), except the forward
+`*_fkl` ones, teacher || student (the positions are still the student's own; per position it is
+cross-entropy to the teacher's distribution: mode-covering, so a student far from its teacher is
+pulled onto tokens it hardly samples yet, where reverse KL's gradient is as small as their mass). Tensors are
 [B, T] over response positions, with a teacher axis M: teacher logprobs of the sampled token
 [B, T, M], and for support-based signals the teacher's top-k ids and logprobs [B, T, M, K] with the
 student's logprobs gathered at the same ids.
 
     sampled token   k1 = log q(y) - log p(y)   (signed: the only one fit to shape an advantage)
                     k2 = (k1)^2 / 2,  k3 = p(y)/q(y) - 1 - log(p(y)/q(y))   (non-negative losses)
-    top-k           KL(q || p) and JSD(q, p) over the teacher's top-k tokens plus one bucket for the
-                    rest of the mass on each side
+    top-k           KL(q || p), KL(p || q) and JSD(q, p) over the teacher's top-k tokens plus one
+                    bucket for the rest of the mass on each side
     full            the same over the whole vocabulary (K = V, no tail: exact)
 
 Roles: PG-style shapes the advantage per token, A_t - lambda * d_t (d detached); GKD-style mixes
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 
 SAMPLED = ("k1", "k2", "k3")
-SUPPORT = ("topk_kl", "topk_jsd", "full_kl", "full_jsd")
+SUPPORT = ("topk_kl", "topk_fkl", "topk_jsd", "full_kl", "full_fkl", "full_jsd")
 _EPS = 1e-8
 
 
@@ -44,18 +47,19 @@ def _with_tail(lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def support_divergence(kind: str, student_lp: torch.Tensor, teacher_lp: torch.Tensor) -> torch.Tensor:
-    """KL(q || p) or JSD(q, p) over a support of K tokens ([..., K] logprobs of both on the teacher's
-    top-k ids), reduced over K. `topk_*` add one bucket for the remaining mass of each side;
+    """KL(q || p), KL(p || q) or JSD(q, p) over a support of K tokens ([..., K] logprobs of both on the
+    teacher's top-k ids), reduced over K. `topk_*` add one bucket for the remaining mass of each side;
     `full_*` expect the whole vocabulary (K = V) and add none."""
     if kind not in SUPPORT:
         raise ValueError(f"support signal: expected one of {SUPPORT}, got {kind!r}")
     q, p = student_lp.exp(), teacher_lp.exp()
     tail = kind.startswith("topk")
-    if kind.endswith("_kl"):
-        out = (q * (student_lp - teacher_lp)).sum(-1)
+    if kind.endswith("kl"):  # reverse KL(q || p), or forward KL(p || q) for *_fkl
+        (a_lp, b_lp) = (teacher_lp, student_lp) if kind.endswith("_fkl") else (student_lp, teacher_lp)
+        out = (a_lp.exp() * (a_lp - b_lp)).sum(-1)
         if tail:
-            (_, q_rest), (_, p_rest) = _with_tail(student_lp), _with_tail(teacher_lp)
-            out = out + q_rest * (q_rest.log() - p_rest.log())
+            (_, a_rest), (_, b_rest) = _with_tail(a_lp), _with_tail(b_lp)
+            out = out + a_rest * (a_rest.log() - b_rest.log())
         return out
     m = 0.5 * (q + p)
     log_m = m.clamp_min(_EPS).log()

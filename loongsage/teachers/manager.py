@@ -207,11 +207,12 @@ class TeacherManager:
             self._wake.set()
 
     async def _score_samples(self, t: Teacher, samples: list[Sample], weight: float) -> None:
+        scored = [scored_length(s) for s in samples]
         outs = await asyncio.gather(*[t.router.generate(
-            s.prompt_ids + s.response_ids, {"max_new_tokens": 0, "temperature": 1.0}, return_logprob=True,
-            logprob_start_len=len(s.prompt_ids), top_logprobs_num=self.top_k) for s in samples])
-        for s, out in zip(samples, outs):
-            s.teacher[t.name] = teacher_scores(out[0], len(s.response_ids), self.top_k, weight)
+            s.prompt_ids + s.response_ids[:n], {"max_new_tokens": 0, "temperature": 1.0}, return_logprob=True,
+            logprob_start_len=len(s.prompt_ids), top_logprobs_num=self.top_k) for s, n in zip(samples, scored)])
+        for s, n, out in zip(samples, scored, outs):
+            s.teacher[t.name] = pad_scores(teacher_scores(out[0], n, self.top_k, weight), len(s.response_ids))
 
     def _busy(self, delta: int) -> None:
         now = time.perf_counter()
@@ -231,6 +232,24 @@ class TeacherManager:
                "teacher/peak_resident_bytes": float(self.peak_resident)}
         self._last = {"swaps": self.swaps, "busy": busy}
         return out
+
+
+def scored_length(s: Sample) -> int:
+    """Response tokens up to the last trained one: what follows it (e.g. the tool result of an agent's
+    last call) is never distilled, and can make the sequence longer than the agent's token limit and
+    a teacher's context."""
+    return max((i + 1 for i, m in enumerate(s.loss_mask) if m), default=min(1, len(s.response_ids)))
+
+
+def pad_scores(sc: TeacherScores, n: int) -> TeacherScores:
+    """Scores of the first tokens extended to all `n` response tokens by repeating the last position's
+    (the padded positions have loss mask 0: finite placeholders the loss multiplies by zero)."""
+    extra = n - len(sc.logprobs)
+    if extra <= 0:
+        return sc
+    top_ids = sc.top_ids and sc.top_ids + [sc.top_ids[-1]] * extra
+    top_lps = sc.top_logprobs and sc.top_logprobs + [sc.top_logprobs[-1]] * extra
+    return TeacherScores(sc.logprobs + [0.0] * extra, top_ids, top_lps, sc.weight)
 
 
 def teacher_scores(out: P.GenerateOutput, n: int, top_k: int, weight: float) -> TeacherScores:
