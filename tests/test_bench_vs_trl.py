@@ -1,5 +1,6 @@
 """benchmarks/vs_trl.py without TRL (an extra CI does not install): every workload's recipe with its
-schedule is a valid run config, and the comparison point is chosen as documented."""
+schedule is a valid run config, and the comparison point is chosen as documented; and
+benchmarks/opd_vs_rl.py's OPD configuration and time-to-target reading."""
 from __future__ import annotations
 
 import importlib.util

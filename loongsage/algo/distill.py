@@ -52,15 +52,15 @@ def support_divergence(kind: str, student_lp: torch.Tensor, teacher_lp: torch.Te
     `full_*` expect the whole vocabulary (K = V) and add none."""
     if kind not in SUPPORT:
         raise ValueError(f"support signal: expected one of {SUPPORT}, got {kind!r}")
-    q, p = student_lp.exp(), teacher_lp.exp()
     tail = kind.startswith("topk")
     if kind.endswith("kl"):  # reverse KL(q || p), or forward KL(p || q) for *_fkl
-        (a_lp, b_lp) = (teacher_lp, student_lp) if kind.endswith("_fkl") else (student_lp, teacher_lp)
+        a_lp, b_lp = (teacher_lp, student_lp) if kind.endswith("_fkl") else (student_lp, teacher_lp)
         out = (a_lp.exp() * (a_lp - b_lp)).sum(-1)
         if tail:
             (_, a_rest), (_, b_rest) = _with_tail(a_lp), _with_tail(b_lp)
             out = out + a_rest * (a_rest.log() - b_rest.log())
         return out
+    q, p = student_lp.exp(), teacher_lp.exp()
     m = 0.5 * (q + p)
     log_m = m.clamp_min(_EPS).log()
     out = 0.5 * (q * (student_lp - log_m)).sum(-1) + 0.5 * (p * (teacher_lp - log_m)).sum(-1)
