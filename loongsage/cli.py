@@ -51,6 +51,7 @@ def _train(ns: argparse.Namespace) -> None:
     import asyncio
 
     from loongsage.config import ConfigError, load_config
+    from loongsage.controller.checkpoint import stopped_message
     from loongsage.controller.train import train
     from loongsage.plot import plot_run
     from loongsage.tasks.dataset import DataError
@@ -78,21 +79,6 @@ def _train(ns: argparse.Namespace) -> None:
     print(f"held-out accuracy {summary['eval_before']:.3f} -> {summary['eval_after']:.3f}; curves: {png}")
 
 
-def stopped_message(run_dir: Path, exc: BaseException) -> str:
-    """What a run that stopped (its trainer died, an engine could not be kept up, Ctrl-C) tells
-    its user: why, and the command that resumes it from its last complete checkpoint."""
-    from loongsage.controller.checkpoint import latest_checkpoint
-
-    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
-    try:
-        ckpt = latest_checkpoint(run_dir)
-    except (FileNotFoundError, OSError):
-        return (f"the run in {run_dir} stopped ({why}) before its first checkpoint; start it again "
-                "(train.save_every sets how often checkpoints are written)")
-    return (f"the run in {run_dir} stopped ({why}).\nResume it from its last checkpoint ({ckpt.name}) with:\n"
-            f"  loongsage train --resume {run_dir}")
-
-
 def _sft(ns: argparse.Namespace) -> None:
     import asyncio
 
@@ -112,6 +98,13 @@ def _bootstrap(ns: argparse.Namespace) -> None:
     config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
     cfg = load_config(config, overrides + ["bootstrap.enabled=true"])
     print(asyncio.run(ensure_base_policy(cfg)))
+
+
+def _validate(ns: argparse.Namespace) -> int:
+    from loongsage.validate import validate
+
+    config, overrides = _split_config(ns, "recipes/arith_grpo.yaml")
+    return validate(config, overrides, ns.quick, ns.run_dir)
 
 
 def _plot(ns: argparse.Namespace) -> None:
@@ -252,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
                            help="continue RUN_DIR from its last complete checkpoint (its config.yaml; overrides apply)")
         c.set_defaults(fn=fn)
 
+    v = sub.add_parser("validate", help="run a recipe and check its expect: bounds (table, report, exit 1 on a miss)",
+                       description="Run a recipe and check every bound in its expect: section (or quick.expect with "
+                                   "--quick); print the table, write RUN_DIR/validation.json and validation.md with the "
+                                   "plots, and exit 1 if any bound is missed or the run stopped.")
+    v.add_argument("config", nargs="?", default=None, help="recipe YAML (default recipes/arith_grpo.yaml)")
+    v.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run_dir=/tmp/run")
+    v.add_argument("--quick", action="store_true", help="the recipe's short form (quick.overrides, quick.expect)")
+    v.add_argument("--run-dir", default=None, help="check this finished run instead of running the recipe")
+    v.set_defaults(fn=_validate)
+
     pl = sub.add_parser("plot", help="write a PNG of reward, held-out accuracy and train-inference gap",
                         description="Plot a run directory's metrics.jsonl (reward, held-out accuracy, gap).")
     pl.add_argument("run_dir")
@@ -305,7 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     from loongsage.config import ConfigError
     from loongsage.tasks.dataset import DataError
 
-    ns = build_parser().parse_args(argv)
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after an option (`validate RECIPE --quick key=value`) land here, not in `overrides`
+        if not hasattr(ns, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        ns.overrides = [*ns.overrides, *extra]
     try:
         rc = ns.fn(ns)
     except ConfigError as exc:

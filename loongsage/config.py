@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from loongsage.teachers.config import TeacherConfig
 from loongsage.tracking.config import TrackingConfig
 from loongsage.trainer.config import SFTConfig, TrainerConfig
 from loongsage.transfer.config import TransferConfig
+from loongsage.validation.config import Expectation, QuickConfig
 
 
 class TrainLoopConfig(BaseModel):
@@ -104,6 +106,9 @@ class RunConfig(BaseModel):
     teachers: list[TeacherConfig] = Field(default_factory=list, description="teacher models for distillation")
     teacher_memory_mb: float | None = Field(None, gt=0, description="resident teacher weights at most this much; "
                                             "the rest is released and resumed on demand (None: all resident)")
+    expect: list[Expectation] = Field(default_factory=list, description="what a run of this recipe must show "
+                                      "(bounds on metrics and summary values), checked by `loongsage validate`")
+    quick: QuickConfig = QuickConfig()
 
     @model_validator(mode="after")
     def _fits_context(self) -> RunConfig:
@@ -230,6 +235,10 @@ def format_error(exc: ValidationError, schema: type[BaseModel], prefix: str = ""
 def _model_at(schema: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
     node: Any = schema
     for part in loc:
+        if part.isdigit():  # an item of a list field: its element type (list[X] or list[X] | None)
+            args = [a for a in typing.get_args(node) if a is not type(None)]
+            node = typing.get_args(args[0])[0] if args and typing.get_args(args[0]) else (args[0] if args else None)
+            continue
         field = getattr(node, "model_fields", {}).get(part)
         if field is None:
             return None

@@ -46,8 +46,8 @@ def run_demo(cfg: RunConfig) -> dict:
     console.print(table)
     for sample in summary["samples"][:3]:
         console.print(f"  {sample['prompt']!r} -> {sample['text']!r} (answer {sample['answer']})")
-    (run_dir / "demo.json").write_text(json.dumps(summary, indent=1))
-    console.print(f"summary written to {run_dir / 'demo.json'}")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    console.print(f"summary written to {run_dir / 'summary.json'}")
     return summary
 
 

@@ -16,9 +16,9 @@ from helpers import ListeningSockets
 from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import read_metrics
+from loongsage.validation.check import check_run
 
-SHORT = ["task.train_size=2000", "task.eval_size=100", "train.max_minutes=null", "trainer.threads=1",
-         "rollout.engine_threads=1"]
+WHITEBOX, BLACKBOX = (load_config(f"recipes/calc_agent_{kind}.yaml") for kind in ("whitebox", "blackbox"))
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +44,7 @@ def _exact_tokens(steps: list[dict]) -> None:
 def test_whitebox_calculator_agent_learns(ray_session, tmp_path, shared):
     # Sampled at T = 0.7 (the trainer scores under the same temperature): the shared bootstrap answers
     # right greedily (dev 0.92) but at T = 1 only ~2% of the time, too sparse a signal for 40 steps.
-    cfg = load_config("recipes/calc_agent_whitebox.yaml", SHORT + shared[0] + [
-        f"run_dir={tmp_path / 'run'}", "train.steps=40", "train.eval_every=40", "sampling.temperature=0.7"])
+    cfg = load_config("recipes/calc_agent_whitebox.yaml", WHITEBOX.quick.overrides + shared[0] + [f"run_dir={tmp_path / 'run'}"])
     summary = asyncio.run(train(cfg))
     boot = json.loads(next((shared[1] / "base").glob("calculator-*/sft.json")).read_text())
     assert boot["dev_accuracy"] >= 0.3
@@ -63,6 +62,8 @@ def test_whitebox_calculator_agent_learns(ray_session, tmp_path, shared):
     z_reward = _z_rise(first, last, 8 * 64, 10 * 64, design_effect=2.0)
     z_held_out = _z_rise(before, after, 100, 100)
     assert last > first and (z_reward >= 3.0 or z_held_out >= 2.5), (first, last, before, after)
+    checks = check_run(tmp_path / "run", WHITEBOX.quick.expect)  # what `loongsage validate --quick` checks
+    assert all(c.passed for c in checks), checks
 
 
 def _z_rise(p1: float, p2: float, n1: int, n2: int, design_effect: float = 1.0) -> float:
@@ -76,8 +77,7 @@ def _z_rise(p1: float, p2: float, n1: int, n2: int, design_effect: float = 1.0) 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_path, shared):
-    cfg = load_config("recipes/calc_agent_blackbox.yaml", SHORT + shared[0] + [
-        f"run_dir={tmp_path / 'run'}", "train.steps=8", "train.eval_every=8", "train.eval_size=32"])
+    cfg = load_config("recipes/calc_agent_blackbox.yaml", BLACKBOX.quick.overrides + shared[0] + [f"run_dir={tmp_path / 'run'}"])
     with ListeningSockets() as sockets:  # the gateway among them (agents reach it on loopback)
         asyncio.run(train(cfg))
     assert not sockets.beyond_loopback(), sockets.seen
@@ -89,6 +89,8 @@ def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_p
     # a step trains its batch unless no group in it has a learning signal (all rewards equal)
     assert all(r["samples/trained"] > 0 or r["train/skipped_no_signal"] for r in steps)
     assert sum(r["samples/trained"] > 0 for r in steps) >= 4
+    checks = check_run(tmp_path / "run", BLACKBOX.quick.expect)
+    assert all(c.passed for c in checks), checks
 
 
 HANGS_SOMETIMES = """import hashlib, io, os, runpy, sys, time
@@ -112,7 +114,7 @@ def test_hung_black_box_agents_fail_their_episodes_and_the_run_goes_on(ray_sessi
     agent = tmp_path / "hangs_sometimes.py"
     agent.write_text(HANGS_SOMETIMES)
     run = tmp_path / "run"
-    cfg = load_config("recipes/calc_agent_blackbox.yaml", SHORT + shared[0] + [
+    cfg = load_config("recipes/calc_agent_blackbox.yaml", BLACKBOX.quick.overrides + shared[0] + [
         f"run_dir={run}", "train.steps=3", "train.eval_every=3", "train.eval_size=16", "rollout.prompts_per_step=4",
         f"agent.command=['{{python}}', '{agent}', '{Path('examples/calc_agent_openai.py').resolve()}']",
         "agent.limits.timeout_s=15", "agent.on_failure=mask"])

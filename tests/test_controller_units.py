@@ -65,6 +65,12 @@ def test_lr_schedules():
     assert lr_factor(0, cos) == 1.0 and lr_factor(5, cos) == pytest.approx(0.5) and lr_factor(10, cos) == pytest.approx(0.0)
     lin = TrainerConfig(lr_schedule="linear", total_steps=4, warmup_steps=0)
     assert lr_factor(2, lin) == 0.5
+    wsd = TrainerConfig(lr_schedule="linear", total_steps=10, warmup_steps=2, decay_steps=4)
+    assert [lr_factor(s, wsd) for s in range(11)] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
+    with pytest.raises(ValueError, match="decay_steps"):
+        TrainerConfig(lr_schedule="linear", total_steps=10, warmup_steps=2, decay_steps=9)
+    with pytest.raises(ValueError, match="decay_steps"):
+        TrainerConfig(decay_steps=3)
 
 
 def test_sampler_covers_every_row_each_epoch():

@@ -268,7 +268,7 @@ def test_a_run_whose_trainer_dies_stops_naming_the_resume_command(tmp_path, arit
 
 
 def test_the_stop_message_names_the_resume_command_only_where_a_checkpoint_exists(tmp_path):
-    from loongsage.cli import stopped_message
+    from loongsage.controller.checkpoint import stopped_message
 
     assert "before its first checkpoint" in stopped_message(tmp_path, RuntimeError("trainer died"))
     (tmp_path / "checkpoints" / "step_4").mkdir(parents=True)

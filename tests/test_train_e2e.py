@@ -12,16 +12,10 @@ from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import REQUIRED, read_metrics
 from loongsage.plot import plot_run
+from loongsage.validation.check import check_run
 
-EASY = [
-    "model.tiny.hidden_size=128", "model.tiny.max_position_embeddings=32",
-    "task.params.digits=2", "task.train_size=3000", "task.eval_size=200",
-    "bootstrap.enabled=true", "bootstrap.sft.target_accuracy=0.25", "bootstrap.sft.eval_every=20",
-    "bootstrap.sft.dev_size=200", "bootstrap.sft.max_steps=600",
-    "engine.max_running=128", "engine.context_length=32", "sampling.max_new_tokens=6", "sampling.n=8",
-    "rollout.prompts_per_step=32", "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2",
-    "trainer.lr=1e-4", "train.steps=100", "train.eval_every=50", "train.max_minutes=null",
-]
+RECIPE = load_config("recipes/arith_grpo.yaml")
+EASY = RECIPE.quick.overrides  # the recipe's short form (`loongsage validate --quick`)
 
 
 @pytest.fixture
@@ -50,6 +44,8 @@ def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, sh
     first = sum(r["reward/mean"] for r in steps[:20]) / 20
     last = sum(r["reward/mean"] for r in steps[-20:]) / 20
     assert last > first + 0.02, (first, last)
+    checks = check_run(tmp_path / "run", RECIPE.quick.expect)  # what `loongsage validate --quick` checks
+    assert all(c.passed for c in checks), checks
     assert any(r["samples/filtered_groups"] > 0 for r in steps)  # dynamic sampling dropped all-equal groups
     # where the engine's time went, per step: its parts add up to its busy time; a group's 8 samples
     # prefill their prompt once (the others copy its K/V, counted as cached; a group that max_running

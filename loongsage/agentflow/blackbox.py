@@ -1,7 +1,8 @@
-"""Black-box agents: any command that speaks the OpenAI API, run as a subprocess per episode.
+"""Black-box agents: any command that speaks the OpenAI or Anthropic API, run as a subprocess per episode.
 
 The episode's task arrives on stdin as JSON ({"messages", "tools", "meta"}); OPENAI_BASE_URL and
-OPENAI_API_KEY point the program's SDK at its own gateway session; its final answer is the last
+OPENAI_API_KEY (ANTHROPIC_BASE_URL and ANTHROPIC_API_KEY for the Messages API) point the program's
+SDK at its own gateway session; its final answer is the last
 non-empty line it prints. A crash, a hang (wall-clock timeout; the process group is killed) or no
 model call at all gives a failed trajectory with the reason; the run goes on. Output goes to files
 capped by RLIMIT_FSIZE: an agent that floods stdout or stderr is stopped by the kernel at
@@ -186,7 +187,8 @@ class BlackBoxRunner:
     async def _run_process(self, row: TaskRow, key: str, name: str) -> tuple[int | None, str, str]:
         messages = row.prompt if isinstance(row.prompt, list) else [{"role": "user", "content": row.prompt}]
         task = json.dumps({"messages": messages, "tools": row.tools or [], "meta": row.meta}).encode()
-        env = {**self.env, "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": key, "LOONGSAGE_SESSION": name}
+        env = {**self.env, "OPENAI_BASE_URL": self.server.base_url, "OPENAI_API_KEY": key, "LOONGSAGE_SESSION": name,
+               "ANTHROPIC_BASE_URL": self.server.base_url.removesuffix("/v1"), "ANTHROPIC_API_KEY": key}
         if self.forkserver is not None:
             return await self.forkserver.run(self.command[1:], env, task, self.timeout_s, self.max_output_bytes)
         with tempfile.TemporaryDirectory(prefix="loongsage-agent-") as tmp:

@@ -1,9 +1,10 @@
-"""The black-box gateway: an OpenAI-compatible chat-completions server in front of the policy.
+"""The black-box gateway: OpenAI chat completions, OpenAI Responses and Anthropic Messages in front of
+the policy.
 
-Any program that speaks the OpenAI API (with tools) talks to its own session; the gateway turns each
+Any program that speaks one of these APIs (with tools) talks to its own session; the gateway turns each
 request into token ids (extending the session's held ids when the request continues an earlier
 call), samples through the router, parses tool calls, records the exact ids / logprobs / versions,
-and answers in OpenAI's format (streamed as it is generated, when asked). Bad input is a 4xx with
+and answers in the caller's protocol (streamed as it is generated, when asked). Bad input is a 4xx with
 one clear message, never a 5xx. A call the inference system fails (an abort no continuation saved,
 an engine error, an engine gone) is a 502/503 to the agent and is noted in the session, so the
 episode is the system's failure, not the agent's (`rollout/resume.py`).
@@ -14,20 +15,43 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from loongsage.agentflow import anthropic_protocol as A
 from loongsage.agentflow import openai_protocol as O
+from loongsage.agentflow import responses_protocol as R
 from loongsage.agentflow.chat_tokens import ChatTokens
 from loongsage.agentflow.llm import ModelTurn, PolicyLLM
 from loongsage.agentflow.sessions import CallRecorder, Session, SessionStore
 from loongsage.rollout.client import EngineError
 from loongsage.rollout.resume import system_failure
 from loongsage.wire import ClientGone, openapi_body, unless_client_leaves
+
+# every protocol's request gives template_messages, template_tools and sampling_params
+ChatRequest = O.ChatCompletionRequest | A.MessagesRequest | R.ResponsesRequest
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One API protocol the gateway speaks: its request parser, response and stream builders, errors."""
+    parse: Callable[[bytes], Any]
+    response: Callable[[ModelTurn, str, int], dict]
+    encoder: Callable[[Any, str, int], Any]  # (request, model, prompt tokens) -> stream encoder
+    error_body: Callable[[str, str], dict]
+
+
+OPENAI = Wire(O.parse_request, O.completion,
+              lambda req, model, n: O.StreamEncoder(model, n, bool((req.stream_options or {}).get("include_usage"))),
+              O.error_body)
+ANTHROPIC = Wire(A.parse_request, A.message, lambda req, model, n: A.MessageStreamEncoder(model, n), A.error_body)
+RESPONSES = Wire(R.parse_request, R.response, lambda req, model, n: R.ResponseStreamEncoder(model, n), R.error_body)
+WIRES = {"/v1/chat/completions": OPENAI, "/v1/messages": ANTHROPIC, "/v1/responses": RESPONSES}
 
 
 class SystemFailed(RuntimeError):
@@ -51,7 +75,7 @@ class Gateway:
         # policy's); `max_new_tokens` there is a cap on what the agent asks for.
         self.policy_sampling = dict(policy_sampling or {})
 
-    def _sampling(self, req: O.ChatCompletionRequest, session: Session) -> dict[str, Any]:
+    def _sampling(self, req: ChatRequest, session: Session) -> dict[str, Any]:
         asked = req.sampling_params()
         policy = {**self.policy_sampling, **(session.sampling or {})}
         if not policy:
@@ -62,7 +86,7 @@ class Gateway:
             out["max_new_tokens"] = min(cap, asked.get("max_new_tokens", cap))
         return out
 
-    def _place(self, session: Session, req: O.ChatCompletionRequest):
+    def _place(self, session: Session, req: ChatRequest):
         messages, tools = req.template_messages(), req.template_tools()
         try:
             chain, extends = session.place(self.chat, messages, tools)
@@ -92,7 +116,7 @@ class Gateway:
         if self.recorder is not None:
             self.recorder.write(record)
 
-    async def complete(self, session: Session, req: O.ChatCompletionRequest) -> tuple[ModelTurn, int]:
+    async def complete(self, session: Session, req: ChatRequest) -> tuple[ModelTurn, int]:
         chain, extends, prompt = self._place(session, req)
         session.busy.add(id(chain))
         try:
@@ -111,23 +135,25 @@ class Gateway:
         self._commit(session, chain, extends, prompt, turn)
         return turn, len(prompt)
 
-    async def complete_stream(self, session: Session, req: O.ChatCompletionRequest) -> AsyncIterator[str]:
+    async def complete_stream(self, session: Session, req: ChatRequest, encoder: Callable[[int], Any]) -> AsyncIterator[str]:
         """Content streams as the engine generates it; anything from a `<tool_call>` on is held back and
-        sent as parsed tool calls at the end (or as content, if the call turns out malformed)."""
+        sent as parsed tool calls at the end (or as content, if the call turns out malformed).
+        `encoder(prompt_tokens)` writes the protocol's events (opening, text, closing, failure)."""
         chain, extends, prompt = self._place(session, req)  # a bad request fails before the stream starts
         session.busy.add(id(chain))  # from placement on: no other call may extend this chain meanwhile
-        enc = O.StreamEncoder(req.model or self.model_name)
-        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        enc = encoder(len(prompt))
 
         async def events() -> AsyncIterator[str]:
             sent, turn = 0, None
             try:
-                yield enc.delta({"role": "assistant", "content": ""})
+                for event in enc.opening():
+                    yield event
                 async for text, turn in self.llm.stream(prompt, self._sampling(req, session), f"gw-{session.name}"):
                     show = O.visible_content(text) if turn is None else (
                         turn.text[:turn.text.find(O.OPEN)] if turn.parsed.tool_calls else turn.text)
                     if len(show) > sent:
-                        yield enc.delta({"content": show[sent:]})
+                        for event in enc.text(show[sent:]):
+                            yield event
                         sent = len(show)
             except Exception as exc:
                 why = system_failure(exc)
@@ -135,35 +161,33 @@ class Gateway:
                     raise
                 if why is not None:
                     session.system_errors.append(why)
-                yield enc.error(why or f"inference engine error: {exc.message}")
-                yield enc.DONE
+                for event in enc.failure(why or f"inference engine error: {exc.message}"):
+                    yield event
                 return
             finally:
                 session.busy.discard(id(chain))
             if turn.finish == "abort":
                 session.system_errors.append(ABORTED)
-                yield enc.error(ABORTED)
-                yield enc.DONE
+                for event in enc.failure(ABORTED):
+                    yield event
                 return
             self._commit(session, chain, extends, prompt, turn)
-            for chunk in enc.tool_calls(turn):
-                yield chunk
-            yield enc.delta({}, O.finish_reason(turn))
-            if include_usage:
-                yield enc.usage(turn, len(prompt))
-            yield enc.DONE
+            for event in enc.closing(turn):
+                yield event
 
         return events()
 
     def app(self) -> FastAPI:
         app = FastAPI(title="LoongSage gateway", docs_url=None, redoc_url=None, openapi_url=None)
 
-        def fail(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-            return JSONResponse(O.error_body(message, kind), status_code=status)
+        def fail(status: int, message: str, kind: str = "invalid_request_error", wire: Wire | None = None) -> JSONResponse:
+            return JSONResponse((wire or OPENAI).error_body(message, kind), status_code=status)
 
         def who(request: Request) -> Session | None:
+            """The session of the call's key: `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY`
+            (Anthropic)."""
             auth = request.headers.get("authorization", "")
-            key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+            key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
             return self.sessions.lookup(key)
 
         async def body_of(request: Request) -> bytes:
@@ -178,9 +202,31 @@ class Gateway:
             return bytes(data)
 
         @app.exception_handler(O.RequestError)
-        async def _bad(_: Request, exc: O.RequestError):
+        async def _bad(request: Request, exc: O.RequestError):
             status = 413 if str(exc).startswith("body: larger") else 400
-            return fail(status, str(exc))
+            return fail(status, str(exc), wire=WIRES.get(request.url.path))
+
+        async def serve(request: Request, wire: Wire):
+            """One model call in `wire`'s protocol: the same sessions, token capture and errors for all."""
+            session = who(request)
+            if session is None:
+                return fail(401, "invalid or missing API key", "authentication_error", wire)
+            req = wire.parse(await body_of(request))
+            model = req.model or self.model_name
+            if req.stream:
+                return StreamingResponse(await self.complete_stream(session, req, lambda n: wire.encoder(req, model, n)),
+                                         media_type="text/event-stream")
+            try:  # an agent killed mid-call: its model call is cancelled, and with it the engine's work
+                turn, prompt_tokens = await unless_client_leaves(request, self.complete(session, req))
+            except ClientGone:
+                return fail(499, "the client closed the request", wire=wire)
+            except SystemFailed as exc:
+                return fail(exc.status, exc.message, "api_error", wire)
+            except EngineError as exc:
+                if 400 <= exc.status < 500:
+                    return fail(400, exc.message, wire=wire)
+                return fail(502, f"inference engine error: {exc.message}", "api_error", wire)
+            return wire.response(turn, model, prompt_tokens)
 
         @app.get("/health")
         async def health():
@@ -195,23 +241,17 @@ class Gateway:
 
         @app.post("/v1/chat/completions", openapi_extra=openapi_body(O.ChatCompletionRequest))
         async def chat_completions(request: Request):
-            session = who(request)
-            if session is None:
-                return fail(401, "invalid or missing API key", "authentication_error")
-            req = O.parse_request(await body_of(request))
-            if req.stream:
-                return StreamingResponse(await self.complete_stream(session, req), media_type="text/event-stream")
-            try:  # an agent killed mid-call: its model call is cancelled, and with it the engine's work
-                turn, prompt_tokens = await unless_client_leaves(request, self.complete(session, req))
-            except ClientGone:
-                return fail(499, "the client closed the request")
-            except SystemFailed as exc:
-                return fail(exc.status, exc.message, "api_error")
-            except EngineError as exc:
-                if 400 <= exc.status < 500:
-                    return fail(400, exc.message)
-                return fail(502, f"inference engine error: {exc.message}", "api_error")
-            return O.completion(turn, req.model or self.model_name, prompt_tokens)
+            return await serve(request, OPENAI)
+
+        @app.post("/v1/messages", openapi_extra=openapi_body(A.MessagesRequest))
+        async def messages(request: Request):
+            """Anthropic's Messages API (the `anthropic` SDK, Claude Code)."""
+            return await serve(request, ANTHROPIC)
+
+        @app.post("/v1/responses", openapi_extra=openapi_body(R.ResponsesRequest))
+        async def responses(request: Request):
+            """OpenAI's Responses API (the `openai` SDK's `responses.create`, Codex)."""
+            return await serve(request, RESPONSES)
 
         @app.post("/v1/loongsage/reward")
         async def post_reward(request: Request):

@@ -63,17 +63,14 @@ class ChatCompletionRequest(BaseModel):
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
     def sampling_params(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.temperature is not None:
-            out["temperature"] = self.temperature
-        if self.top_p is not None:
-            out["top_p"] = self.top_p
-        limit = self.max_completion_tokens or self.max_tokens
-        if limit is not None:
-            out["max_new_tokens"] = limit
-        if self.stop:
-            out["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
-        return out
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return sampling_from(temperature=self.temperature, top_p=self.top_p,
+                             max_new_tokens=self.max_completion_tokens or self.max_tokens, stop=stop or None)
+
+
+def sampling_from(**given: Any) -> dict[str, Any]:
+    """The engine's sampling params from what a request set (what it left out stays the policy's)."""
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
@@ -107,30 +104,40 @@ def usage(turn: ModelTurn, prompt_tokens: int) -> dict[str, int]:
 
 
 class StreamEncoder:
-    """SSE chunks of one streamed completion (OpenAI's chat.completion.chunk objects)."""
+    """SSE chunks of one streamed completion (OpenAI's chat.completion.chunk objects), with the
+    gateway's stream interface: opening, text, closing, failure."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, prompt_tokens: int, include_usage: bool = False):
         self.id, self.created, self.model = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time()), model
+        self.prompt_tokens, self.include_usage = prompt_tokens, include_usage
 
     def _chunk(self, choices: list, **extra) -> str:
         obj = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
                "choices": choices, **extra}
         return f"data: {json.dumps(obj)}\n\n"
 
-    def delta(self, delta: dict, finish: str | None = None) -> str:
+    def _delta(self, delta: dict, finish: str | None = None) -> str:
         return self._chunk([{"index": 0, "delta": delta, "finish_reason": finish}])
 
-    def tool_calls(self, turn: ModelTurn) -> list[str]:
-        return [self.delta({"tool_calls": [{"index": i, **call.to_openai()}]})
-                for i, call in enumerate(turn.parsed.tool_calls)]
+    def opening(self) -> list[str]:
+        return [self._delta({"role": "assistant", "content": ""})]
 
-    def usage(self, turn: ModelTurn, prompt_tokens: int) -> str:
-        return self._chunk([], usage=usage(turn, prompt_tokens))
+    def text(self, piece: str) -> list[str]:
+        return [self._delta({"content": piece})]
 
-    def error(self, message: str) -> str:
-        return f"data: {json.dumps(error_body(message, 'api_error'))}\n\n"
+    def closing(self, turn: ModelTurn) -> list[str]:
+        out = [self._delta({"tool_calls": [{"index": i, **call.to_openai()}]})
+               for i, call in enumerate(turn.parsed.tool_calls)]
+        out.append(self._delta({}, finish_reason(turn)))
+        if self.include_usage:
+            out.append(self._chunk([], usage=usage(turn, self.prompt_tokens)))
+        return out + [DONE]
 
-    DONE = "data: [DONE]\n\n"
+    def failure(self, message: str) -> list[str]:
+        return [f"data: {json.dumps(error_body(message, 'api_error'))}\n\n", DONE]
+
+
+DONE = "data: [DONE]\n\n"
 
 
 def visible_content(text: str) -> str:

@@ -96,3 +96,16 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def stopped_message(run_dir: Path, exc: BaseException) -> str:
+    """What a run that stopped (its trainer died, an engine could not be kept up, Ctrl-C) tells
+    its user: why, and the command that resumes it from its last complete checkpoint."""
+    why = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+    try:
+        ckpt = latest_checkpoint(run_dir)
+    except (FileNotFoundError, OSError):
+        return (f"the run in {run_dir} stopped ({why}) before its first checkpoint; start it again "
+                "(train.save_every sets how often checkpoints are written)")
+    return (f"the run in {run_dir} stopped ({why}).\nResume it from its last checkpoint ({ckpt.name}) with:\n"
+            f"  loongsage train --resume {run_dir}")

@@ -24,6 +24,9 @@ class TrainerConfig(BaseModel):
     warmup_steps: int = Field(0, ge=0)
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     total_steps: int | None = Field(None, ge=1, description="for cosine/linear decay")
+    decay_steps: int | None = Field(None, ge=1, description=(
+        "decay only over the last decay_steps before total_steps, constant before (warm-up, stable, "
+        "decay); default: every step after the warm-up"))
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     micro_batch_size: int = Field(64, ge=1)
     bf16: bool = False
@@ -44,6 +47,11 @@ class TrainerConfig(BaseModel):
         if self.world_size % model_parallel:
             raise ValueError(f"world_size ({self.world_size}) must be a multiple of tensor_parallel_size x "
                              f"pipeline_parallel_size ({model_parallel})")
+        if self.decay_steps is not None and (self.total_steps is None or self.lr_schedule == "constant"
+                                             or self.decay_steps > self.total_steps - self.warmup_steps):
+            raise ValueError(f"trainer.decay_steps ({self.decay_steps}) needs lr_schedule linear or cosine and "
+                             f"total_steps with room for it after warmup_steps ({self.total_steps}, "
+                             f"{self.warmup_steps})")
         return self
 
     @property

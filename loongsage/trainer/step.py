@@ -21,12 +21,15 @@ MAXIMAL = {"mismatch/max_abs_logprob_diff"}  # maximum over micro-batches and ra
 
 
 def lr_factor(step: int, cfg: TrainerConfig) -> float:
-    """Linear warm-up, then constant, linear or cosine decay to 0 at `total_steps`."""
+    """Linear warm-up, then constant, linear or cosine decay to 0 at `total_steps` (over its last
+    `decay_steps` only, when set: a long constant stretch keeps learning fast and the decay settles the
+    policy before the final evaluation)."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant" or not cfg.total_steps:
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.total_steps - cfg.warmup_steps))
+    decay = cfg.decay_steps or cfg.total_steps - cfg.warmup_steps
+    progress = min(1.0, max(0.0, (step - (cfg.total_steps - decay)) / max(1, decay)))
     if cfg.lr_schedule == "linear":
         return 1.0 - progress
     return 0.5 * (1.0 + math.cos(math.pi * progress))

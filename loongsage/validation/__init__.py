@@ -1,0 +1,2 @@
+"""Validated recipes: each recipe's `expect:` bounds (and its `quick:` short form), checked against
+the run directory by `loongsage validate`."""
