@@ -1,7 +1,7 @@
 """The multi-teacher OPD recipe, shortened for CI: its two teachers are bootstrapped from scratch (string
 reversal; the calculator agent that always calls its tool), the student briefly on both without ever
 seeing a tool call, then 70 fully async steps of pure distillation (the full recipe runs 25 minutes,
-~640 steps; its numbers against the 90%-of-teacher goal are in docs/distillation.md). What 70 steps must show: the teachers
+~550-640 steps; its numbers against the 90%-of-teacher goal are in docs/distillation.md). What 70 steps must show: the teachers
 are the specialists the recipe needs, the student's divergence from them falls by well over a third, and
 on the calculator source the student starts calling the tool, a format it can only have learnt from
 its teacher's scores."""

@@ -9,16 +9,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import re
 import subprocess
 import sys
-import typing
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from loongsage.cli import build_parser
-from loongsage.config import RunConfig
+from loongsage.config_reference import config_keys
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "surface.txt"
 
@@ -36,30 +32,13 @@ def _cli_lines(parser: argparse.ArgumentParser, prefix: str) -> list[str]:
     return lines
 
 
-def _type_name(annotation) -> str:
-    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    return re.sub(r"Annotated\[str, (plugin\(\w+\)), AfterValidator\(func=<function [^)]+>\)\]", r"\1", text)
-
-
-def _config_lines(model: type[BaseModel], prefix: str) -> list[str]:
-    lines = []
-    for name, field in model.model_fields.items():
-        annotation = field.annotation
-        inner = [a for a in typing.get_args(annotation) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            lines += _config_lines(annotation, f"{prefix}{name}.")
-        else:
-            default = field.default_factory() if field.default_factory else field.default
-            kind = next((repr(m) for m in field.metadata if type(m).__name__ == "PluginKind"), None)
-            lines.append(f"{prefix}{name}: {kind or _type_name(annotation)} = {default!r}")
-            for sub in inner:
-                lines += _config_lines(sub, f"{prefix}{name}[].")
-    return lines
+def _config_lines() -> list[str]:
+    return [f"{k.key}: {k.type} = {k.default!r}" for k in config_keys()]
 
 
 def surface() -> str:
     return "\n".join(["# CLI"] + _cli_lines(build_parser(), "loongsage") + ["", "# config"]
-                     + _config_lines(RunConfig, "")) + "\n"
+                     + _config_lines()) + "\n"
 
 
 def test_cli_and_config_surface_match_the_snapshot():
