@@ -151,3 +151,16 @@ def processes_mentioning(text: str) -> list[str]:
         if text in args and "pytest" not in args:
             out.append(args)
     return out
+
+
+def undocumented_metrics(records: list[dict]) -> set[str]:
+    """The metric names in `records` that docs/metrics.md does not explain (its tables' first column:
+    backticked names, where <x> stands for one path segment)."""
+    import re
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    names = [n for line in page.splitlines() if line.startswith("| `")
+             for n in re.findall(r"`([^`]+)`", line.split(" | ")[0])]
+    patterns = [re.compile(re.sub(r"<[a-z]+>", "[^/]+", re.escape(n).replace(r"\<", "<").replace(r"\>", ">")) + "$")
+                for n in names]
+    return {k for r in records for k in r if not any(p.match(k) for p in patterns)}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ListeningSockets
+from helpers import ListeningSockets, undocumented_metrics
 from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import read_metrics
@@ -91,6 +91,7 @@ def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_p
     assert sum(r["samples/trained"] > 0 for r in steps) >= 4
     checks = check_run(tmp_path / "run", BLACKBOX.quick.expect)
     assert all(c.passed for c in checks), checks
+    assert not undocumented_metrics(read_metrics(tmp_path / "run")), "explain them in docs/metrics.md"
 
 
 HANGS_SOMETIMES = """import hashlib, io, os, runpy, sys, time

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from helpers import undocumented_metrics
 from loongsage.controller.train import train
 from loongsage.metrics import read_metrics
 from loongsage.validate import validated_config
@@ -33,6 +34,7 @@ def test_the_opd_recipe_student_learns_from_both_teachers(ray_session, tmp_path)
     summary = asyncio.run(train(cfg))
     checks = check_run(tmp_path / "run", expect)  # what `loongsage validate --quick` checks
     assert all(c.passed for c in checks), checks
+    assert not undocumented_metrics(read_metrics(tmp_path / "run")), "explain them in docs/metrics.md"
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["sources"] == summary["sources"] and set(saved["sources"]) == {"reverse", "calc"}
     teachers = {"reverse": "reverse_teacher", "calc": "calc_teacher"}

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers import ListeningSockets, processes_mentioning
+from helpers import ListeningSockets, processes_mentioning, undocumented_metrics
 from loongsage.config import load_config
 from loongsage.controller.train import train
 from loongsage.metrics import REQUIRED, read_metrics
@@ -46,6 +46,7 @@ def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, sh
     assert last > first + 0.02, (first, last)
     checks = check_run(tmp_path / "run", RECIPE.quick.expect)  # what `loongsage validate --quick` checks
     assert all(c.passed for c in checks), checks
+    assert not undocumented_metrics(records), "explain them in docs/metrics.md"
     assert any(r["samples/filtered_groups"] > 0 for r in steps)  # dynamic sampling dropped all-equal groups
     # where the engine's time went, per step: its parts add up to its busy time; a group's 8 samples
     # prefill their prompt once (the others copy its K/V, counted as cached; a group that max_running
