@@ -41,20 +41,23 @@ def test_the_comparison_point_is_the_first_eval_at_the_target_or_the_last_step(v
     assert vs_trl.reached(curve[:-1], None, 40) is None  # a run that stopped early did not do the work
 
 
-def test_opd_vs_rl_distils_purely_from_the_rl_policy_and_times_the_first_eval_at_target(tmp_path):
+def test_opd_vs_rl_distils_purely_from_the_rl_policy_and_times_a_smoothed_reach_of_the_target(tmp_path):
     spec = importlib.util.spec_from_file_location("opd_vs_rl", BENCH.with_name("opd_vs_rl.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    cfg = bench.opd_config("recipes/arith_grpo.yaml", ["train.steps=10"], str(tmp_path / "opd"), 0.4, str(tmp_path / "t"))
+    cfg = bench.opd_config("recipes/arith_grpo.yaml", ["train.steps=10"], str(tmp_path / "opd"), str(tmp_path / "t"))
     assert [t.name for t in cfg.teachers] == ["rl_teacher"] and cfg.sources()[0].teachers == {"rl_teacher": 1.0}
     d = cfg.algo.loss.distill
-    assert (d.gkd_coef, d.gkd_signal, cfg.train.target_accuracy) == (1.0, "full_fkl", 0.4)
+    assert (d.gkd_coef, d.gkd_signal, cfg.train.target_accuracy) == (1.0, "full_fkl", None)  # runs all its steps
+    assert cfg.trainer.lr == load_config("recipes/arith_grpo.yaml").trainer.lr  # the RL run's lr (see the docstring)
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"step": 0, "eval/accuracy": 0.5, "time/elapsed_s": 1.0},  # the base policy's own eval never counts
-            {"step": 5, "loss": 1.0, "time/elapsed_s": 9.0}, {"step": 10, "eval/accuracy": 0.39, "time/elapsed_s": 20.0},
-            {"step": 20, "eval/accuracy": 0.41, "time/elapsed_s": 41.0},
-            {"step": 30, "eval/accuracy": 0.6, "time/elapsed_s": 60.0}]
+            {"step": 5, "loss": 1.0, "time/elapsed_s": 9.0}, {"step": 10, "eval/accuracy": 0.45, "time/elapsed_s": 20.0},
+            {"step": 20, "eval/accuracy": 0.30, "time/elapsed_s": 41.0},
+            {"step": 30, "eval/accuracy": 0.40, "time/elapsed_s": 60.0},
+            {"step": 40, "eval/accuracy": 0.60, "time/elapsed_s": 80.0}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert bench.time_to(str(run), 0.4) == (41.0, 20)
+    assert bench.time_to(str(run), 0.4, window=1) == (20.0, 10)  # one lucky evaluation
+    assert bench.time_to(str(run), 0.4, window=3) == (80.0, 40)  # (0.30 + 0.40 + 0.60) / 3 >= 0.4; 0.383 at step 30
     assert bench.time_to(str(run), 0.9) == (None, None)
