@@ -1,6 +1,7 @@
 """`loongsage validate RECIPE [--quick] [--run-dir DIR]`: run a recipe (or take a finished run),
 check every expectation, print the table, write it with the plots into the run directory, and
-return the exit status (0: every expectation met; 1: any missed, or the run stopped)."""
+return the exit status (0: every expectation met; 1: any missed, or the run stopped; 3: a GPU
+recipe on a machine without a GPU, not run)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +17,8 @@ from loongsage.tasks.dataset import DataError
 from loongsage.validation.check import Check, check_run, write_report
 from loongsage.validation.config import Expectation
 
+NOT_RUN = 3
+
 
 def validated_config(recipe: str, overrides: list[str], quick: bool) -> tuple[RunConfig, list[Expectation]]:
     """The config to run (the quick overrides first, so the user's win) and the bounds it must meet."""
@@ -27,6 +30,19 @@ def validated_config(recipe: str, overrides: list[str], quick: bool) -> tuple[Ru
         raise ConfigError(f"{recipe}: {'quick.expect / ' if quick else ''}expect: no expectations to validate "
                           "(add an expect: list of bounds, see docs/recipes.md)")
     return cfg, expectations
+
+
+def needs_gpu(cfg: RunConfig) -> list[str]:
+    """The settings of `cfg` that need an NVIDIA GPU (empty: it runs on CPU)."""
+    wants = [f"trainer.device={cfg.trainer.device}"] if cfg.trainer.device.startswith("cuda") else []
+    wants += [f"engine.device={cfg.engine.device}"] if cfg.engine.device.startswith("cuda") else []
+    return wants + (["rollout.engine=sglang"] if cfg.rollout.engine == "sglang" else [])
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def show(checks: list[Check], title: str, console: Console) -> None:
@@ -49,6 +65,12 @@ def validate(recipe: str, overrides: list[str], quick: bool, run_dir: str | None
     console = Console(width=None if sys.stdout.isatty() else 160)
     cfg, expectations = validated_config(recipe, overrides, quick)
     stopped = None
+    gpu = needs_gpu(cfg)
+    if run_dir is None and gpu and not gpu_available():
+        print(f"validate: {recipe} needs an NVIDIA GPU ({', '.join(gpu)}) and this machine has none: not run, "
+              "nothing checked (exit 3). Run it on a GPU node (scripts/gpu_check.sh checks the GPU paths first).",
+              file=sys.stderr)
+        return NOT_RUN
     if run_dir is None:  # run it
         run_dir = str(cfg.resolve_run_dir())
         try:

@@ -15,7 +15,7 @@ from loongsage.validate import validated_config
 from loongsage.validation.check import check, check_run
 from loongsage.validation.config import Expectation
 
-RECIPES = sorted(Path("recipes").glob("*.yaml"))
+RECIPES = sorted(Path("recipes").glob("**/*.yaml"))
 RECORDS = [{"step": 0, "eval/accuracy": 0.2}, {"step": 1, "reward/mean": 0.1, "mismatch/kl": None},
            {"step": 2, "reward/mean": 0.5, "mismatch/kl": 1e-6}, {"step": 3, "reward/mean": 0.3, "eval/accuracy": 0.5}]
 SUMMARY = {"train_seconds": 90.0, "sources": {"a": {"eval_after": 0.45, "teacher_accuracy": {"t": 0.5}}}}
@@ -83,7 +83,7 @@ def test_quick_overrides_come_before_the_users_and_quick_expect_defaults_to_expe
         validated_config(str(recipe), [], quick=False)
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+@pytest.mark.parametrize("recipe", RECIPES, ids=[str(r.relative_to("recipes")) for r in RECIPES])
 def test_every_recipe_states_what_it_must_achieve_in_full_and_quick_form(recipe):
     cfg = load_config(recipe)
     assert cfg.expect, f"{recipe}: no expect: section"
@@ -145,3 +145,17 @@ def test_the_recipes_page_is_rendered_from_the_latest_validated_run_of_each_reci
     assert (tmp_path / "docs" / "img" / "recipes" / "b-curves.png").read_bytes() == b"png"
     with pytest.raises(FileNotFoundError, match="not validated"):
         render([tmp_path], tmp_path / "x.md")
+
+
+def test_a_gpu_recipe_on_a_machine_without_one_says_so_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    import loongsage.validate as v
+
+    monkeypatch.setattr(v, "gpu_available", lambda: False)
+    recipe = "recipes/gpu/qwen3_0.6b_gsm8k_grpo.yaml"
+    assert v.validate(recipe, [f"run_dir={tmp_path / 'run'}"], quick=True) == v.NOT_RUN == 3
+    err = capsys.readouterr().err
+    assert "needs an NVIDIA GPU (trainer.device=cuda, rollout.engine=sglang)" in err and "not run" in err
+    assert not (tmp_path / "run").exists()
+    cfg, expect = validated_config(recipe, [], quick=False)
+    assert cfg.model.path == "models/Qwen3-0.6B-Base" and cfg.task.name == "math" and cfg.trainer.backend == "megatron"
+    assert v.needs_gpu(load_config("recipes/arith_grpo.yaml")) == []

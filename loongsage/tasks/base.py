@@ -72,7 +72,7 @@ def task_spec(cfg) -> TaskSpec:
 
 
 def get_task(name: str) -> TaskSpec:
-    from loongsage.tasks import arithmetic, calculator, count, reverse  # noqa: F401  (registers them)
+    from loongsage.tasks import arithmetic, calculator, count, math_answer, reverse  # noqa: F401  (registers them)
 
     if name not in TASKS:
         raise KeyError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}")

@@ -23,6 +23,9 @@ class TaskConfig(BaseModel):
     train_path: str | None = None  # user data (jsonl/parquet) instead of generated rows
     eval_path: str | None = None
     prompt_key: str = "prompt"
+    prompt_format: str | None = Field(None, description="user data: a string prompt becomes one user chat message "
+                                      "of this text with {prompt} replaced (e.g. the answer format an instruct "
+                                      "model is asked for); None keeps it a raw completion prompt")
     answer_key: str = "answer"
     bad_rows: Literal["error", "skip"] = Field("error", description="a malformed row of train_path/eval_path: stop "
                                                "with its file and line, or skip it (each listed in a warning)")
@@ -46,4 +49,6 @@ class TaskConfig(BaseModel):
     def _paths(self) -> TaskConfig:
         if (self.train_path is None) != (self.eval_path is None):
             raise ValueError("train_path and eval_path must be given together")
+        if self.prompt_format is not None and "{prompt}" not in self.prompt_format:
+            raise ValueError("prompt_format must contain {prompt} (where the row's prompt goes)")
         return self

@@ -1,6 +1,7 @@
 """Turns a task config into train/eval rows, and rows into prompt token ids."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -14,7 +15,8 @@ def prepare_data(cfg: TaskConfig) -> tuple[list[TaskRow], list[TaskRow]]:
     """Generated rows are written once (eval disjoint from train) and reloaded from jsonl."""
     if cfg.train_path is not None:
         schema = DataSchema(prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
-        return load_rows(cfg.train_path, schema, cfg.bad_rows), load_rows(cfg.eval_path, schema, cfg.bad_rows)
+        return tuple([_formatted(r, cfg.prompt_format) for r in load_rows(path, schema, cfg.bad_rows)]
+                     for path in (cfg.train_path, cfg.eval_path))
     key = json.dumps([cfg.name, cfg.params, cfg.train_size, cfg.eval_size, cfg.seed], sort_keys=True)
     folder = Path(cfg.data_dir) / f"{cfg.name.replace(':', '-')}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     train_file, eval_file = folder / "train.jsonl", folder / "eval.jsonl"
@@ -26,6 +28,13 @@ def prepare_data(cfg: TaskConfig) -> tuple[list[TaskRow], list[TaskRow]]:
         write_jsonl(eval_rows, eval_file)
         write_jsonl(train_rows, train_file)
     return load_rows(train_file), load_rows(eval_file)
+
+
+def _formatted(row: TaskRow, prompt_format: str | None) -> TaskRow:
+    """A string prompt as one user message in `prompt_format` (chat models); others as they are."""
+    if prompt_format is None or not isinstance(row.prompt, str):
+        return row
+    return dataclasses.replace(row, prompt=[{"role": "user", "content": prompt_format.replace("{prompt}", row.prompt)}])
 
 
 def _key(row: TaskRow) -> str:
