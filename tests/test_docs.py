@@ -33,3 +33,15 @@ def test_a_broken_link_fails_the_build(tmp_path):
 def test_the_config_reference_is_generated_from_the_current_schema():
     assert (ROOT / "docs" / "config.md").read_text() == render_reference(), \
         "docs/config.md is stale: python scripts/render_config_reference.py"
+
+
+def test_every_error_the_troubleshooting_page_quotes_is_still_raised_by_the_code():
+    import re
+
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    quoted = re.findall(r"\*\*`([^`]+)`\*\*", page)
+    assert len(quoted) >= 15
+    source = "\n".join(p.read_text() for p in (ROOT / "loongsage").rglob("*.py"))
+    # a quote may span an f-string's placeholders ("..."): each literal piece must be in the source
+    missing = [q for q in quoted if not all(part.strip() in source for part in q.split("...") if part.strip())]
+    assert not missing, f"docs/troubleshooting.md quotes errors the code no longer raises: {missing}"
