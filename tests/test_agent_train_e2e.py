@@ -94,6 +94,23 @@ def test_blackbox_calculator_agent_trains_through_the_gateway(ray_session, tmp_p
     assert not undocumented_metrics(read_metrics(tmp_path / "run")), "explain them in docs/metrics.md"
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_a_langgraph_agent_trains_as_a_black_box(ray_session, tmp_path, shared):
+    """examples/calc_agent_langgraph.py (LangGraph over LangChain's ChatOpenAI) in place of the openai
+    example: a short run trains on its episodes with exact tokens and no history drift."""
+    agent = Path("examples/calc_agent_langgraph.py").resolve()
+    cfg = load_config("recipes/calc_agent_blackbox.yaml", BLACKBOX.quick.overrides + shared[0] + [
+        f"run_dir={tmp_path / 'run'}", "train.steps=3", "train.eval_every=3", "train.eval_size=16",
+        f"agent.command=['{{python}}', '{agent}']", "agent.preload=[langgraph, langchain_openai]"])
+    asyncio.run(train(cfg))
+    steps = _steps(tmp_path / "run")
+    assert len(steps) == 3
+    _exact_tokens(steps)
+    assert all(r["agent/drift_rate"] == 0.0 for r in steps) and sum(r["agent/tool_calls_mean"] for r in steps) > 0
+    assert any(r["samples/trained"] > 0 for r in steps)
+
+
 HANGS_SOMETIMES = """import hashlib, io, os, runpy, sys, time
 task = sys.stdin.read()
 if int(hashlib.sha256(os.environ["LOONGSAGE_SESSION"].encode()).hexdigest(), 16) % 20 == 0:

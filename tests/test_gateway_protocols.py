@@ -225,3 +225,27 @@ async def with_http(server, path: str, body: dict) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as s, s.post(f"{server.base_url.removesuffix('/v1')}{path}", json=body,
                                                     headers={"Authorization": "Bearer judy"}) as r:
         return r.status, await r.json()
+
+
+def test_a_langgraph_agent_runs_black_box_episodes_with_exact_tokens(tool_engine, tool_model):
+    """examples/calc_agent_langgraph.py (a LangGraph StateGraph over LangChain's ChatOpenAI) as a run
+    runs it (forked from a server with LangGraph imported): its calls extend one token chain (no drift),
+    merged into one loss-masked sample."""
+    from test_agentflow_gateway import ROOT, ROW
+
+    from loongsage.agentflow.blackbox import BlackBoxRunner
+    from loongsage.tasks.base import get_task
+
+    async def go(gw, server):
+        runner = await BlackBoxRunner(server, [sys.executable, str(ROOT / "examples" / "calc_agent_langgraph.py")],
+                                      timeout_s=90, concurrency=2, preload=["langgraph", "langchain_openai"]).start()
+        try:
+            return await asyncio.gather(*[runner.run(ROW, get_task("calculator"), f"lg{i}") for i in range(2)])
+        finally:
+            await runner.stop()
+
+    for t in asyncio.run(_with_gateway(tool_engine.url, tool_model, go, open_keys=False)):
+        assert t.status == "ok" and t.answer == "The answer is 42" and t.reward == 1.0, (t.status, t.reason)
+        assert t.info["calls"] == 2 and t.info["drifted_calls"] == 0 and t.info["tool_calls"] == 1
+        (s,) = t.to_samples(0, 0, "calc")
+        assert sum(s.loss_mask) < len(s.loss_mask) and s.loss_mask[0] == 1 and s.loss_mask[-1] == 1
