@@ -73,6 +73,18 @@ def test_lr_schedules():
         TrainerConfig(decay_steps=3)
 
 
+def test_sft_bootstraps_keep_their_own_constant_schedule_whatever_the_runs_decay():
+    from loongsage.config import load_config
+    from loongsage.controller.sft import sft_trainer
+
+    cfg = load_config("recipes/multi_teacher_opd.yaml")
+    assert cfg.trainer.decay_steps == 120
+    for sft in [cfg.bootstrap.sft] + [t.bootstrap.sft for t in cfg.teachers]:
+        t = sft_trainer(cfg.trainer, sft)
+        assert (t.lr_schedule, t.total_steps, t.decay_steps, t.lr) == ("constant", None, None, sft.lr)
+        assert lr_factor(10_000, t) == 1.0
+
+
 def test_sampler_covers_every_row_each_epoch():
     rows = [TaskRow(prompt=str(i), answer="x") for i in range(5)]
     s = PromptSampler(rows, seed=1)

@@ -91,9 +91,7 @@ async def sft_to(cfg, init: Path, out: Path, console: Console) -> dict:
             raise ValueError(f"bootstrap.sft.dev_size ({sft.dev_size}) leaves no SFT rows of {len(train_rows)} "
                              f"in source {src.name!r}")
         parts.append(SFTSource(src.name, train_rows[:-dev_size], train_rows[-dev_size:], task_spec(src.task)))
-    trainer = TrainerConfig(**{**cfg.trainer.model_dump(), "lr": sft.lr, "betas": sft.betas,
-                               "warmup_steps": sft.warmup_steps, "lr_schedule": "constant", "bf16": False,
-                               "threads": sft.threads or cfg.trainer.threads})
+    trainer = sft_trainer(cfg.trainer, sft)
     rt = await Runtime.start(str(init), trainer, cfg.engine, cfg.rollout, cfg.ray, transfer=cfg.transfer)
     try:
         tok = AutoTokenizer.from_pretrained(init)
@@ -125,3 +123,11 @@ async def sft_command(cfg) -> dict:
     console.print(f"[sft] dev accuracy {result['dev_accuracy']:.3f} after {result['steps']} steps; "
                   f"model at {run_dir / 'checkpoints' / 'final'}")
     return result
+
+
+def sft_trainer(trainer: TrainerConfig, sft) -> TrainerConfig:
+    """The run's trainer with the SFT's optimizer settings: its own lr, betas and warm-up, a constant
+    schedule (the run's decay is the run's), fp32, `sft.threads`."""
+    return TrainerConfig(**{**trainer.model_dump(), "lr": sft.lr, "betas": sft.betas, "warmup_steps": sft.warmup_steps,
+                            "lr_schedule": "constant", "total_steps": None, "decay_steps": None, "bf16": False,
+                            "threads": sft.threads or trainer.threads})
