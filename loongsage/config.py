@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from loongsage.agentflow.config import AgentConfig
 from loongsage.algo.config import AlgoConfig
 from loongsage.cluster.config import RayConfig
+from loongsage.cluster.placement import PlacementConfig, check_colocation
 from loongsage.engine.config import EngineConfig
 from loongsage.extensions import load_custom
 from loongsage.models.config import ModelConfig
@@ -98,6 +99,7 @@ class RunConfig(BaseModel):
     train: TrainLoopConfig = TrainLoopConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     ray: RayConfig = RayConfig()
+    placement: PlacementConfig = PlacementConfig()
     demo: DemoConfig = DemoConfig()
     transfer: TransferConfig = TransferConfig()
     metrics: TrackingConfig = TrackingConfig()
@@ -116,6 +118,11 @@ class RunConfig(BaseModel):
         if self.model.path is None and self.sampling.max_new_tokens >= ctx:
             raise ValueError(f"sampling.max_new_tokens ({self.sampling.max_new_tokens}) must be below the "
                              f"context length ({ctx})")
+        return self
+
+    @model_validator(mode="after")
+    def _placement(self) -> RunConfig:
+        check_colocation(self.placement.mode, self.trainer, self.rollout, self.rollout.max_staleness)
         return self
 
     @model_validator(mode="after")

@@ -127,3 +127,27 @@ def test_a_token_is_as_old_as_the_oldest_policy_that_shaped_its_prefix():
     assert version_lags([3, 3, 4, -1, 5], trained_version=5) == [2, 2, 2, 2, 2]
     assert version_lags([5, 5], trained_version=5) == [0, 0]
     assert version_lags([-1, 4, 5], trained_version=5) == [0, 1, 1]
+
+
+def test_a_weight_update_that_fails_ends_the_wait_for_the_next_batch():
+    """In a synchronous run the next batch waits for that update's version: without this the run
+    would wait forever on a failed update (its error unseen in a task nobody awaited yet)."""
+    import asyncio
+
+    from loongsage.controller.train import _batch_unless_update_fails
+
+    async def go():
+        upcoming = asyncio.create_task(asyncio.sleep(3600))
+
+        async def update():
+            raise RuntimeError("flip failed")
+
+        pending = ({}, asyncio.create_task(update()))
+        with pytest.raises(RuntimeError, match="flip failed"):
+            await asyncio.wait_for(_batch_unless_update_fails(upcoming, pending), 5)
+        upcoming.cancel()
+        done = asyncio.create_task(asyncio.sleep(0, result="batch"))
+        ok = ({}, asyncio.create_task(asyncio.sleep(0.01)))
+        assert await _batch_unless_update_fails(done, ok) == "batch"
+
+    asyncio.run(go())

@@ -24,7 +24,8 @@ def shared(arith_caches):
 
 
 BACKENDS = {"fsdp": [], "megatron_tp2": ["trainer.backend=megatron", "trainer.world_size=2",
-                                          "trainer.tensor_parallel_size=2", "trainer.threads=1"]}
+                                          "trainer.tensor_parallel_size=2", "trainer.threads=1"],
+            "fsdp_colocated": ["placement.mode=colocated"]}
 
 
 @pytest.mark.slow
@@ -60,6 +61,11 @@ def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, sh
     trace = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
     split = [e for e in trace if e.get("ph") == "C" and e["name"].startswith("engines: time split")]
     assert len(split) == 100 and {"prefill_s", "decode_s", "schedule_s", "http_s"} <= set(split[-1]["args"])
+    if backend == "fsdp_colocated":  # every train step ran while the engine had released its memory
+        released = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name") == "released"]
+        trains = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and e["name"].startswith("train ")]
+        assert len(trains) == 100 and all(any(a <= s and e <= b for a, b in released) for s, e in trains)
+        assert all(r["time/colocate_release_s"] > 0 and r["time/colocate_resume_s"] > 0 for r in steps)
     assert "eval/accuracy" in steps[-1] and summary["eval_after"] == steps[-1]["eval/accuracy"]
     assert (tmp_path / "run" / "checkpoints" / "final" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "config.yaml").is_file()

@@ -17,6 +17,7 @@ from pathlib import Path
 import ray
 
 from loongsage.cluster.config import RayConfig
+from loongsage.cluster.placement import PlacementConfig, RunPlacement, layout
 from loongsage.cluster.ray_setup import init_ray
 from loongsage.engine.config import EngineConfig
 from loongsage.heap import freeze_long_lived
@@ -71,7 +72,8 @@ def client_factory(client_class: str | None, api_key: str | None):
 
 
 async def build_mesh(trainers: TrainerGroup, engines: EngineGroup, trainer: TrainerConfig, engine: EngineConfig,
-                     rollout: RolloutConfig, transfer: TransferConfig, disk_dir: str | None) -> WeightMesh:
+                     rollout: RolloutConfig, transfer: TransferConfig, disk_dir: str | None,
+                     colocated: bool = False) -> WeightMesh:
     """The TransferMesh from the trainer to the engines where Ray placed them (routes planned from
     their nodes and devices), set up and ready to deliver."""
     client = client_factory(rollout.client, engines.api_key)
@@ -80,7 +82,7 @@ async def build_mesh(trainers: TrainerGroup, engines: EngineGroup, trainer: Trai
                       engine.dtype, rollout.weight_bucket_mb, "nccl" if trainer.device.startswith("cuda") else "gloo",
                       transfer.verify_every if rollout.engine == "embedded" else 0,  # SGLang: no checksum route
                       disk_dir, extensions=rollout.engine == "embedded", pause_mode=rollout.pause_mode,
-                      implementations=transfer.implementations)
+                      implementations=transfer.implementations, colocated=colocated)
     await sync.setup()
     return sync
 
@@ -97,29 +99,37 @@ class Runtime:
     shm_prefix: str = SHM_PREFIX  # the run's /dev/shm names (its other engines, e.g. teachers, use it too)
     remesh: Callable[[], Awaitable[WeightMesh]] | None = None  # a new TransferMesh over the current engines
     client: Callable[[str], object] | None = None  # url -> a client of the run's engines
-
+    placement: RunPlacement | None = None  # the run's placement group (its teachers' bundles too)
 
     @classmethod
     async def start(cls, model_dir: str, trainer: TrainerConfig, engine: EngineConfig, rollout: RolloutConfig,
                     ray_cfg: RayConfig, with_reference: bool = False,
-                    transfer: TransferConfig | None = None, reference_dir: str | None = None) -> Runtime:
+                    transfer: TransferConfig | None = None, reference_dir: str | None = None,
+                    placement: PlacementConfig | None = None, teachers=()) -> Runtime:
         """`model_dir`: the policy the trainer and engines start from; `reference_dir`: the KL
-        reference's weights (default: the same)."""
+        reference's weights (default: the same); `placement`: how the actors (and the engines of
+        `teachers`, started later by teachers/launch.py) are laid out in the run's placement group."""
         started = init_ray(ray_cfg)
-        trainers = engines = reference = None
+        trainers = engines = reference = pg = None
         transfer = transfer or TransferConfig()
         # The run's own names: its shared-memory buffers (engines map no others) and, when the config
         # names no folder, the disk route's (the only place engines load weight files from).
         shm_prefix = f"{SHM_PREFIX}{secrets.token_hex(4)}-"
         temp_dir = None if transfer.disk_dir else tempfile.mkdtemp(prefix="loongsage-weights-")
         disk_dir = transfer.disk_dir or temp_dir
+        placement = placement or PlacementConfig()
+        if placement.mode == "colocated" and rollout.engine == "sglang" and "--enable-memory-saver" not in engine.sglang_args:
+            # SGLang releases its weights and KV cache (torch_memory_saver) only when started with it
+            engine = engine.model_copy(update={"sglang_args": [*engine.sglang_args, "--enable-memory-saver"]})
         try:
+            pg = await asyncio.to_thread(RunPlacement, layout(placement.mode, trainer, rollout, teachers, with_reference),
+                                         placement, f"loongsage-{shm_prefix.removeprefix(SHM_PREFIX).strip('-')}")
             # Trainer ranks, engines (and the reference) start in parallel: each spends seconds
             # importing torch and loading weights in its own process.
             parts = await asyncio.gather(
-                asyncio.to_thread(TrainerGroup, trainer, model_dir, shm_prefix),
-                asyncio.to_thread(EngineGroup, model_dir, engine, rollout, shm_prefix, (disk_dir,)),
-                *([asyncio.to_thread(TrainerGroup, trainer, reference_dir or model_dir, shm_prefix)]
+                asyncio.to_thread(TrainerGroup, trainer, model_dir, shm_prefix, pg),
+                asyncio.to_thread(EngineGroup, model_dir, engine, rollout, shm_prefix, (disk_dir,), pg),
+                *([asyncio.to_thread(TrainerGroup, trainer, reference_dir or model_dir, shm_prefix, pg, "reference")]
                   if with_reference else []),
                 return_exceptions=True)
             trainers, engines = (p if not isinstance(p, BaseException) else None for p in parts[:2])
@@ -127,13 +137,16 @@ class Runtime:
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
-            remesh = functools.partial(build_mesh, trainers, engines, trainer, engine, rollout, transfer, disk_dir)
+            remesh = functools.partial(build_mesh, trainers, engines, trainer, engine, rollout, transfer, disk_dir,
+                                       placement.mode == "colocated")
             sync = await remesh()
             freeze_long_lived()  # the controller's imports and clients: out of the cyclic GC's full passes (heap.py)
         except BaseException:
             for group in (engines, trainers, reference):
                 if group is not None:
                     group.shutdown()
+            if pg is not None:
+                pg.remove()
             if started:
                 ray.shutdown()
             if temp_dir:
@@ -142,7 +155,7 @@ class Runtime:
         client = client_factory(rollout.client, engines.api_key)
         router = Router([], clients=[client(u) for u in engines.urls], abort_retries=rollout.abort_retries,
                         engine_retries=rollout.health.engine_retries, engine_wait_s=rollout.health.engine_wait_s)
-        return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix, remesh, client)
+        return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix, remesh, client, pg)
 
     def __post_init__(self) -> None:
         self.sync_lock = asyncio.Lock()  # held from a weight update's begin to its end, and by a mesh rebuild
@@ -172,6 +185,8 @@ class Runtime:
         self.trainers.shutdown()
         if self.reference is not None:
             self.reference.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
         if self.ray_started:
             ray.shutdown()
         if self.temp_weights_dir:

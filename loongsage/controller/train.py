@@ -14,7 +14,8 @@
                                                                  in-flight groups are cancelled
 
 Batch t + 1 is taken from the buffer and collated while step t trains, so the trainer goes from one
-step to the next without waiting on the controller.
+step to the next without waiting on the controller. With colocated placement (synchronous only) the
+engines hand their devices to the trainer around each train step (controller/colocation.py).
 
 Back-pressure is the sample buffer's window (loongsage/buffer.py, strategies in window.py): at most
 (k + 1 + v) * B groups are ever admitted by version v, so generation runs at most k versions ahead of
@@ -42,6 +43,7 @@ from loongsage.algo.config import LossConfig
 from loongsage.config import RunConfig, dump_config
 from loongsage.controller.bootstrap import ensure_base_policy, teacher_models
 from loongsage.controller.checkpoint import controller_state, latest_checkpoint, read_state, save_checkpoint
+from loongsage.controller.colocation import Colocation
 from loongsage.controller.ledger import PromptLedger
 from loongsage.controller.runtime import (
     SHM_RECORD,
@@ -76,7 +78,8 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     tok = AutoTokenizer.from_pretrained(base)
     remove_crashed_shm(run_dir)
     rt = await Runtime.start(str(ckpt or base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
-                             with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer, reference_dir=str(base))
+                             with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer, reference_dir=str(base),
+                             placement=cfg.placement, teachers=cfg.teachers)
     start = 0 if state is None else state.step
     record_shm_prefix(run_dir, rt.shm_prefix)
     record_transfer_plan(run_dir, rt.sync)
@@ -93,10 +96,12 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     supervisor = EngineSupervisor([Fleet("engine", rt.router, rt.replace_engine)], cfg.rollout.health,
                                   lambda exc: main.cancel(), console, timeline)
     pending = upcoming = None
+    colocation = Colocation(rt.router, rt.trainers, timeline) if cfg.placement.mode == "colocated" else None
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         if cfg.teachers:  # teachers score each group as it completes, inside the producers' tasks
-            teachers = await start_teachers(cfg, teacher_dirs, str(base), rt.shm_prefix, rt.trainers, timeline)
+            teachers = await start_teachers(cfg, teacher_dirs, str(base), rt.shm_prefix, rt.trainers, timeline,
+                                            rt.placement)
             for name, t in teachers.teachers.items():  # their engines are watched and restarted too
                 supervisor.add(Fleet(f"teacher-{name}", t.router,
                                      functools.partial(replace_teacher_engine, cfg, teachers, rt.trainers, name)))
@@ -131,11 +136,19 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
             task = bar.add_task("train", total=cfg.train.steps, reward=0.0, rate=0.0, completed=start)
             upcoming = asyncio.create_task(_next_batch(start + 1, cfg, sources, keep, batch_spec, timeline))
             for step in range(start + 1, cfg.train.steps + 1):
-                prepared = await upcoming
+                prepared = await _batch_unless_update_fails(upcoming, pending)
+                if colocation is not None:  # the engines give their devices to the trainer for this step
+                    if pending is not None:
+                        await _finish(await _delivered(pending), clock, metrics, bar, task, timeline)
+                        pending = None
+                    await colocation.hand_to_trainer()
                 training = asyncio.create_task(_train(step, cfg, rt, prepared, timeline))  # overlaps `pending`
                 if step < cfg.train.steps:  # batch step + 1 is taken and collated while this step trains
                     upcoming = asyncio.create_task(_next_batch(step + 1, cfg, sources, keep, batch_spec, timeline))
                 record = await training
+                if colocation is not None:  # and get them back before the weight update
+                    await colocation.hand_to_engines()
+                    record.update(colocation.metrics())
                 for src in sources:  # the batch's groups met their fate
                     for seq in prepared[3].get(src.name, ()):
                         src.producer.settle(seq, "skipped" if record["train/skipped_no_signal"] else "trained", step)
@@ -376,6 +389,16 @@ async def _start_weight_update(step, cfg: RunConfig, rt: Runtime, sources, teach
         return out
 
     return asyncio.create_task(deliver())
+
+
+async def _batch_unless_update_fails(upcoming: asyncio.Task, pending: tuple[dict, asyncio.Task] | None):
+    """The next batch; but a weight update that fails meanwhile ends the wait with its error (in a
+    synchronous run the batch waits for that update's version, so it would wait forever)."""
+    if pending is not None and not pending[1].done():
+        await asyncio.wait([upcoming, pending[1]], return_when=asyncio.FIRST_COMPLETED)
+    if pending is not None and pending[1].done() and not pending[1].cancelled() and pending[1].exception():
+        raise pending[1].exception()
+    return await upcoming
 
 
 async def _delivered(pending: tuple[dict, asyncio.Task]) -> dict:

@@ -39,6 +39,12 @@ class EngineActor:
         """(host id, device) for the TransferMesh planner."""
         return ray.get_runtime_context().get_node_id(), self.device
 
+    def placement_group(self) -> str | None:
+        """The id of the placement group Ray placed this engine in."""
+        from loongsage.cluster.placement import placement_group_of_this_actor
+
+        return placement_group_of_this_actor()
+
     def log_tail(self) -> str:
         return self.proc.log_tail()
 
@@ -54,22 +60,28 @@ class EngineActor:
 
 class EngineGroup:
     def __init__(self, model_path: str, engine_cfg: EngineConfig, rollout: RolloutConfig,
-                 shm_prefix: str = SHM_PREFIX, weight_roots: tuple[str, ...] = ()):
+                 shm_prefix: str = SHM_PREFIX, weight_roots: tuple[str, ...] = (), placement=None,
+                 role: str = "engine"):
+        """`placement`: the run's RunPlacement (engine i is its member `{role}-{i}`, and a restarted
+        engine takes the same bundle), or None: each engine requests its own resources."""
         on_gpu = rollout.engine == "sglang" or engine_cfg.device.startswith("cuda")
-        gpus = rollout.engine_gpus if on_gpu else 0
-        actor = ray.remote(num_cpus=0, num_gpus=gpus, resources=dict(rollout.engine_resources))(EngineActor)
+        own = {"num_cpus": 0, "num_gpus": rollout.engine_gpus if on_gpu else 0,
+               "resources": dict(rollout.engine_resources)}
+        actor = ray.remote(EngineActor)
         self.api_key = secrets.token_urlsafe(32)  # clients: Router(urls, api_key=...), EngineClient(url, api_key)
-        self._new = lambda cfg=engine_cfg: actor.remote(str(model_path), cfg, rollout.engine_threads, rollout.engine,
-                                                        self.api_key, shm_prefix, [str(r) for r in weight_roots])
+        self._new = lambda i, cfg=engine_cfg: actor.options(**(placement.options(f"{role}-{i}") if placement else own)
+                                                            ).remote(str(model_path), cfg, rollout.engine_threads,
+                                                                     rollout.engine, self.api_key, shm_prefix,
+                                                                     [str(r) for r in weight_roots])
         self._restart_cfg = engine_cfg.model_copy(update={"inject_errors": None})  # a drill's fault ends with it
-        self.actors = [self._new() for _ in range(rollout.num_engines)]
+        self.actors = [self._new(i) for i in range(rollout.num_engines)]
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])
 
     def restart(self, idx: int, timeout_s: float = 900.0) -> str:
         """Engine `idx` (dead, hung or failing) is stopped, its actor killed, and a new one started
         from the run's initial weights (the caller gives it the current ones); returns its URL."""
         stop_actors([self.actors[idx]], "kill", timeout_s=10.0)
-        self.actors[idx] = self._new(self._restart_cfg)
+        self.actors[idx] = self._new(idx, self._restart_cfg)
         self.urls[idx] = ray.get(self.actors[idx].url.remote(), timeout=timeout_s)
         return self.urls[idx]
 

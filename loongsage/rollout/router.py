@@ -48,6 +48,7 @@ class Router:
         self._changed: asyncio.Condition | None = None  # made in the running loop
         self.on_engine_failure: Callable[[int, BaseException], None] | None = None
         self.retried = 0  # calls sent again after an engine failed them (samples/retried)
+        self._sending: asyncio.Event | None = None  # cleared while held (colocated engines release memory)
 
     # ---- engines up and down -------------------------------------------------------------
     def _condition(self) -> asyncio.Condition:
@@ -71,6 +72,27 @@ class Router:
         for session in [s for s, i in self.sessions.items() if i == idx]:
             del self.sessions[session]
         await self.mark_up(idx)
+
+    # ---- held while colocated engines give their devices to the trainer ----------------------
+    def _gate(self) -> asyncio.Event:
+        if self._sending is None:
+            self._sending = asyncio.Event()
+            self._sending.set()
+        return self._sending
+
+    async def hold(self) -> None:
+        """From now on no call goes out until `reopen` (calls wait, they do not fail); returns once
+        the calls in flight have ended, so the engines are idle."""
+        self._gate().clear()
+        while any(self.outstanding):
+            await asyncio.sleep(0.005)
+
+    def reopen(self) -> None:
+        self._gate().set()
+
+    async def _may_send(self) -> None:
+        if not self._gate().is_set():
+            await self._gate().wait()
 
     async def _wait_up(self) -> None:
         cond = self._condition()
@@ -187,6 +209,7 @@ class Router:
         if not any(self.up):
             await self._wait_up()
         while True:
+            await self._may_send()
             idx, rid = self._begin(session, base if attempt == 0 else f"{base}.{attempt}", frozenset(avoid))
             try:
                 res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, rid=rid, **kw))
@@ -207,6 +230,7 @@ class Router:
         """`avoid`: engines that failed this request (the one that fails now is added)."""
         if not any(self.up):
             await self._wait_up()
+        await self._may_send()
         idx, rid = self._begin(session, rid, frozenset(avoid))
         try:
             async for chunk in self.clients[idx].generate_stream(input_ids, sampling_params, rid=rid, **kw):

@@ -32,6 +32,8 @@ class TeacherConfig(BaseModel):
     kind: str = Field("embedded", pattern="^(embedded|sglang)$", description="embedded (CPU) or sglang (GPU)")
     num_engines: int = Field(1, ge=1)
     engine_threads: int = Field(1, ge=1)
+    resources: dict[str, float] = Field(default_factory=dict, description=(
+        "Ray custom resources each of its engines requests, which places them on the nodes that offer them"))
     follow_student_every: int | None = Field(None, ge=1, description="self-distillation: the teacher takes the "
                                              "student's weights every K steps (a TransferMesh receiver)")
 

@@ -32,12 +32,15 @@ def check_tokenizer(student_dir: str, teacher_dir: str, name: str) -> None:
 
 
 async def start_teachers(cfg, dirs: list[str], student_dir: str, shm_prefix: str, trainers=None,
-                         timeline=None) -> TeacherManager:
-    """Engines for every teacher of `cfg.teachers` (Ray must be up), their manager, and the weight
-    route to teachers that follow the student (from `trainers`)."""
+                         timeline=None, placement=None) -> TeacherManager:
+    """Engines for every teacher of `cfg.teachers` (Ray must be up; in their bundles of the run's
+    `placement` when it has them), their manager, and the weight route to teachers that follow the
+    student (from `trainers`)."""
     groups = await asyncio.gather(*[asyncio.to_thread(
-        EngineGroup, d, t.engine, RolloutConfig(engine=t.kind, num_engines=t.num_engines, engine_threads=t.engine_threads),
-        shm_prefix) for t, d in zip(cfg.teachers, dirs)], return_exceptions=True)
+        EngineGroup, d, t.engine, RolloutConfig(engine=t.kind, num_engines=t.num_engines, engine_threads=t.engine_threads,
+                                                engine_resources=t.resources),
+        shm_prefix, (), placement if placement is not None and placement.has(f"teacher-{t.name}-0") else None,
+        f"teacher-{t.name}") for t, d in zip(cfg.teachers, dirs)], return_exceptions=True)
     failed = [g for g in groups if isinstance(g, BaseException)]
     if failed:
         for g in groups:

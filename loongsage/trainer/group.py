@@ -17,14 +17,19 @@ from loongsage.transfer.tensor_handles import SHM_PREFIX
 
 
 class TrainerGroup:
-    def __init__(self, cfg: TrainerConfig, model_path: str, shm_prefix: str = SHM_PREFIX):
-        """`shm_prefix`: the run's prefix for the shared-memory buffers its ranks hand to engines."""
+    def __init__(self, cfg: TrainerConfig, model_path: str, shm_prefix: str = SHM_PREFIX, placement=None,
+                 role: str = "trainer"):
+        """`shm_prefix`: the run's prefix for the shared-memory buffers its ranks hand to engines;
+        `placement`: the run's RunPlacement (rank r is its member `{role}-{r}`), or None: each rank
+        requests its own resources."""
         self.cfg = cfg
         self.stepping = asyncio.Lock()  # held for a whole run step (all its optimizer steps)
         world = cfg.world_size
-        actor = ray.remote(num_cpus=0, num_gpus=cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0,
-                           resources=dict(cfg.resources))(TrainerRank)
-        self.ranks = [actor.remote(cfg, str(model_path), r, world, shm_prefix, search_path()) for r in range(world)]
+        actor = ray.remote(TrainerRank)
+        own = {"num_cpus": 0, "num_gpus": cfg.gpus_per_rank if cfg.device.startswith("cuda") else 0,
+               "resources": dict(cfg.resources)}
+        self.ranks = [actor.options(**(placement.options(f"{role}-{r}") if placement else own)).remote(
+            cfg, str(model_path), r, world, shm_prefix, search_path()) for r in range(world)]
         try:
             master = ray.get(self.ranks[0].open_rendezvous.remote())  # on rank 0's node, by rank 0
             ray.get([r.setup.remote(*master) for r in self.ranks])
@@ -101,6 +106,13 @@ class TrainerGroup:
 
     async def load(self, path: str) -> None:
         await asyncio.gather(*[r.load.remote(path) for r in self.ranks])
+
+    async def offload_optimizer(self) -> int:
+        """Every rank's optimizer state to host memory; the bytes moved, summed."""
+        return sum(await asyncio.gather(*[r.offload_optimizer.remote() for r in self.ranks]))
+
+    async def reload_optimizer(self) -> int:
+        return sum(await asyncio.gather(*[r.reload_optimizer.remote() for r in self.ranks]))
 
     async def version(self) -> int:
         return await self.rank0.version.remote()

@@ -86,6 +86,12 @@ class TrainerRank:
             device = f"cuda:{torch.cuda.current_device()}"
         return ray.get_runtime_context().get_node_id(), physical_device(device)
 
+    def placement_group(self) -> str | None:
+        """The id of the placement group Ray placed this rank in."""
+        from loongsage.cluster.placement import placement_group_of_this_actor
+
+        return placement_group_of_this_actor()
+
     def compute_logprobs(self, batch: TrainBatch, with_entropy: bool = False):
         return self.backend.compute_logprobs(batch, with_entropy)
 
@@ -139,6 +145,25 @@ class TrainerRank:
 
     def version(self) -> int:
         return self.backend.version
+
+    def offload_optimizer(self) -> int:
+        """Optimizer state to host memory (colocated placement: the engine generates on this
+        device now); returns the bytes moved (0 on a CPU device, or a backend without one)."""
+        from loongsage.trainer.offload import move_optimizer_state
+
+        if self.backend.device.type == "cpu" or not hasattr(self.backend, "optimizer"):
+            return 0
+        moved = move_optimizer_state(self.backend.optimizer, "cpu")
+        torch.cuda.empty_cache()
+        return moved
+
+    def reload_optimizer(self) -> int:
+        """The optimizer state back on the rank's device, before it trains."""
+        from loongsage.trainer.offload import move_optimizer_state
+
+        if self.backend.device.type == "cpu" or not hasattr(self.backend, "optimizer"):
+            return 0
+        return move_optimizer_state(self.backend.optimizer, self.backend.device)
 
     def shutdown(self) -> None:
         for sender in self._senders.values():

@@ -48,6 +48,7 @@ class RouteContext:
     disk_dir: str | None = None
     extensions: bool = True  # embedded engines (LoongSage's extra routes), not SGLang
     on_cpu: bool = True  # the receivers run on CPU (shm: the one-copy mapped route suits them)
+    colocated: bool = False  # receivers time-share the trainer's devices: no second copy of weights they keep
     peers: dict[InferenceClient, list[InferenceClient]] = field(default_factory=dict)  # relay_shm: relay -> peers
 
 
@@ -60,12 +61,13 @@ def _disk(ctx: RouteContext) -> BaseTransport:
 # route -> how its controller side is built. Same GPU: the engine's own buffers written device to device
 # (one copy; SGLang: trainer-side device buffers + IPC handles). Same host: one copy into engine-owned
 # buffers (SGLang or GPU engines: staging buffers + handles). Other hosts: the collective to one relay
-# per host, which fans out over shared memory. Anything: disk.
+# per host, which fans out over shared memory. Anything: disk. Colocated engines (placement.mode) release
+# their weights while the trainer trains, so they take the staging route, never the mapped double buffer.
 ROUTES: dict[str, Callable[[RouteContext], BaseTransport]] = {
-    "cuda_ipc": lambda ctx: (MappedShmSync(ctx.trainers, ctx.clients) if ctx.extensions
+    "cuda_ipc": lambda ctx: (MappedShmSync(ctx.trainers, ctx.clients) if ctx.extensions and not ctx.colocated
                              else ShmWeightSync(ctx.trainers, ctx.clients, ctx.engine_dtype, ctx.bucket_mb,
                                                 on_device=True)),
-    "shm": lambda ctx: (MappedShmSync(ctx.trainers, ctx.clients) if ctx.extensions and ctx.on_cpu
+    "shm": lambda ctx: (MappedShmSync(ctx.trainers, ctx.clients) if ctx.extensions and ctx.on_cpu and not ctx.colocated
                         else ShmWeightSync(ctx.trainers, ctx.clients, ctx.engine_dtype, ctx.bucket_mb)),
     "collective": lambda ctx: DistributedWeightSync(ctx.trainers, ctx.clients, ctx.engine_dtype, ctx.bucket_mb,
                                                     ctx.backend),
@@ -78,11 +80,12 @@ class WeightMesh:
     def __init__(self, routes: Plan, trainers, clients: dict[str, InferenceClient], engine_dtype: str,
                  bucket_mb: float, backend: str, verify_every: int = 0, disk_dir: str | None = None,
                  extensions: bool = True, pause_mode: str = "in_place",
-                 implementations: dict[str, str] | None = None):
+                 implementations: dict[str, str] | None = None, colocated: bool = False):
         """`clients`: receiver name -> its client (owned by the mesh from now on). `extensions`: the
         receivers are embedded engines, with LoongSage's routes (/map_weights, /share_weights,
         /weights_checksum); SGLang servers are not. `implementations`: route -> module:attr of a
-        transport class taking a `RouteContext`, replacing the built-in one."""
+        transport class taking a `RouteContext`, replacing the built-in one. `colocated`: the
+        receivers release their memory between updates (placement.mode colocated)."""
         from loongsage.extensions import resolve
 
         groups = routes.by_transport()
@@ -98,7 +101,7 @@ class WeightMesh:
         self.parts: dict[str, BaseTransport] = {}
         for route, names in groups.items():
             ctx = RouteContext(trainers, [clients[n] for n in names], engine_dtype, bucket_mb, backend, disk_dir,
-                               extensions, routes.on_cpu(names))
+                               extensions, routes.on_cpu(names), colocated)
             if route == "relay_shm":
                 for r in routes.routes:
                     if r.transport == "relay_shm":
