@@ -127,6 +127,21 @@ def test_tools_and_registry():
     assert asyncio.run(py.execute(ToolCall("python", {"code": "print(6*7)"}))) == "42\n"
 
 
+def test_tools_offered_to_rows_that_declare_none():
+    from loongsage.agentflow.config import AgentConfig
+    from loongsage.agentflow.tools import offered_specs
+
+    cfg = AgentConfig(kind="whitebox", offer_tools=["python", "calculator"])
+    specs = offered_specs(cfg.offer_tools, cfg.tools)
+    assert [s["function"]["name"] for s in specs] == ["python", "calculator"]
+    assert sorted(registry_for(specs).tools) == ["calculator", "python"]
+    assert offered_specs([], {}) is None
+    with pytest.raises(ValueError, match=r"agent.offer_tools: no implementation of \['search'\]"):
+        AgentConfig(kind="whitebox", offer_tools=["search"])
+    with pytest.raises(ValueError, match="agent.offer_tools needs agent.kind=whitebox"):
+        AgentConfig(kind="blackbox", command=["x"], offer_tools=["python"])
+
+
 def test_trajectory_samples():
     c = Chain([1, 2], messages=[])
     c.add_model_turn([3, 4], [-0.5, -0.6], [2, 3])

@@ -75,6 +75,19 @@ def test_jsonl_and_parquet_with_a_declared_schema(tmp_path):
     assert got[0].prompt == "2+2=" and got[0].answer == "4" and got[0].meta == {"source": "web"}
 
 
+def test_nested_fields_are_read_by_dotted_keys_as_dapo_math_stores_them(tmp_path):
+    """DAPO-Math-17k: the prompt is a message list, the answer sits in reward_model.ground_truth."""
+    rec = {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "Solve 2+2. Answer: $Answer"}],
+           "ability": "MATH", "reward_model": {"ground_truth": "4", "style": "rule"}, "extra_info": {"index": "a1"}}
+    pq.write_table(pa.Table.from_pylist([rec]), tmp_path / "dapo.parquet")
+    row, = load_rows(tmp_path / "dapo.parquet", DataSchema(answer_key="reward_model.ground_truth"))
+    assert row.prompt == rec["prompt"] and row.answer == "4"
+    assert row.meta == {"data_source": "math_dapo", "ability": "MATH", "extra_info": {"index": "a1"}}
+    with pytest.raises(DataError, match=r"dapo.parquet: row 1: missing key 'reward_model.truth' "
+                                        r"\(reward_model has \['ground_truth', 'style'\]\)"):
+        load_rows(tmp_path / "dapo.parquet", DataSchema(answer_key="reward_model.truth"))
+
+
 @pytest.mark.parametrize("lines, message", [
     (['{"prompt": "a", "answer": "b"}', "{oops"], "d.jsonl:2: invalid JSON"),
     (['{"prompt": "a", "answer": "b"}', "", '{"prompt": "a"}'], "d.jsonl:3: missing key 'answer'"),

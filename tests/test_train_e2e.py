@@ -102,6 +102,22 @@ def test_async_run_keeps_every_sample_inside_the_window(ray_session, tmp_path, s
 
 
 @pytest.mark.slow
+def test_the_long_output_recipe_quick_form_validates(ray_session, tmp_path, shared):
+    """recipes/count_grpo.yaml as `loongsage validate --quick` runs it: outputs of 2-128 tokens,
+    async k = 1 with the trainer and the engine on a core each."""
+    recipe = load_config("recipes/count_grpo.yaml")
+    cfg = load_config("recipes/count_grpo.yaml", recipe.quick.overrides + shared[0] + [f"run_dir={tmp_path / 'run'}"])
+    asyncio.run(train(cfg))
+    checks = check_run(tmp_path / "run", recipe.quick.expect)
+    assert all(c.passed for c in checks), checks
+    steps = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0 and "reward/mean" in r]
+    assert len(steps) == 20 and not undocumented_metrics(steps)
+    # long outputs: ~20-40 tokens a sample on average here (arithmetic answers: 2-4)
+    per_sample = [r["engine/generated_tokens"] / (16 * 8) for r in steps[1:] if "eval/accuracy" not in r]
+    assert sum(per_sample) / len(per_sample) > 10, per_sample
+
+
+@pytest.mark.slow
 def test_steps_with_nothing_to_train_advance_version_and_schedule_and_send_no_weights(ray_session, tmp_path):
     """An untrained model never solves 3-digit addition: every group's rewards are equal, so every
     step is skipped. The trainer's version and LR warm-up still advance with the run's steps, the

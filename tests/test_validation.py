@@ -159,3 +159,9 @@ def test_a_gpu_recipe_on_a_machine_without_one_says_so_and_runs_nothing(tmp_path
     cfg, expect = validated_config(recipe, [], quick=False)
     assert cfg.model.path == "models/Qwen3-0.6B-Base" and cfg.task.name == "math" and cfg.trainer.backend == "megatron"
     assert v.needs_gpu(load_config("recipes/arith_grpo.yaml")) == []
+    from pathlib import Path
+
+    for other in sorted(Path("recipes/gpu").glob("*.yaml")):  # every GPU recipe loads and is refused here
+        assert v.validate(str(other), [f"run_dir={tmp_path / other.stem}"], quick=True) == v.NOT_RUN, other
+        assert not (tmp_path / other.stem).exists()
+    assert len(list(Path("recipes/gpu").glob("*.yaml"))) >= 3

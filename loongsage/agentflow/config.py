@@ -27,6 +27,9 @@ class AgentConfig(BaseModel):
                               "rollout factory (RolloutSetup) -> Rollout")
     tools: dict[str, ToolFactory] = Field(default_factory=dict, description="tool name -> module:attr of a factory "
                                           "() -> Tool, for tools that task rows declare (besides the built-in ones)")
+    offer_tools: list[str] = Field(default_factory=list, description="whitebox: tools (built-in: calculator, "
+                                   "python; or agent.tools names) offered to every task row that declares none, "
+                                   "e.g. a math data set trained to use a python tool")
     entry: str = Field("loongsage.agentflow.agents:tool_loop", description="whitebox: 'module:function', "
                        "an async def run(ctx, task)")
     command: list[str] = Field(default_factory=list, description="blackbox: the agent program's command line "
@@ -43,6 +46,15 @@ class AgentConfig(BaseModel):
     def _command(self) -> AgentConfig:
         if self.kind == "blackbox" and not self.command:
             raise ValueError("agent.kind=blackbox needs agent.command (the agent program's command line)")
+        if self.offer_tools and self.kind != "whitebox":
+            raise ValueError("agent.offer_tools needs agent.kind=whitebox (a black-box agent declares its own tools "
+                             "in its API calls)")
+        from loongsage.agentflow.tools import BUILTIN_TOOLS
+
+        unknown = sorted(set(self.offer_tools) - set(BUILTIN_TOOLS) - set(self.tools))
+        if unknown:
+            raise ValueError(f"agent.offer_tools: no implementation of {unknown}; built-in: {sorted(BUILTIN_TOOLS)}"
+                             f"{', agent.tools: ' + str(sorted(self.tools)) if self.tools else ''}")
         if self.preload and (len(self.command) < 2 or self.command[0] != "{python}" or not self.command[1].endswith(".py")):
             raise ValueError("agent.preload needs agent.command = ['{python}', 'script.py', ...] (a Python script)")
         return self

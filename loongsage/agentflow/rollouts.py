@@ -13,7 +13,7 @@ from loongsage.agentflow.context import AgentContext, load_agent, run_episode
 from loongsage.agentflow.gateway import Gateway, GatewayServer
 from loongsage.agentflow.llm import PolicyLLM
 from loongsage.agentflow.sessions import SessionStore
-from loongsage.agentflow.tools import registry_for
+from loongsage.agentflow.tools import offered_specs, registry_for
 from loongsage.agentflow.trajectory import Trajectory
 from loongsage.rollout.single_turn import RolloutSetup, SingleTurnRollout, accuracy_by_tag, group_session, in_group
 from loongsage.sample import Group
@@ -73,10 +73,11 @@ class WhiteBoxRollout(_EpisodeRollout):
     def __init__(self, setup: RolloutSetup):
         super().__init__(setup)
         self.agent = load_agent(self.cfg.entry)
+        self.offered = offered_specs(self.cfg.offer_tools, self.cfg.tools)  # for rows that declare no tools
 
     async def episode(self, row: TaskRow, name: str, sampling: dict) -> Trajectory:
-        ctx = AgentContext(PolicyLLM(self.router, self.chat, sampling), self.chat, registry_for(row.tools, self.cfg.tools),
-                           self.cfg.limits, session=name)
+        tools = registry_for(row.tools if row.tools is not None else self.offered, self.cfg.tools)
+        ctx = AgentContext(PolicyLLM(self.router, self.chat, sampling), self.chat, tools, self.cfg.limits, session=name)
         return await run_episode(self.agent, ctx, row, self.spec)
 
 

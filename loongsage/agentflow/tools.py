@@ -99,3 +99,12 @@ def registry_for(specs: list[dict[str, Any]] | None, custom: dict[str, str] | No
             raise ValueError(f"task declares tool {name!r} with no implementation; built-in: {sorted(BUILTIN_TOOLS)}"
                              f"{'; agent.tools: ' + ', '.join(sorted(custom)) if custom else ''}")
     return reg
+
+
+def offered_specs(names: list[str], custom: dict[str, str] | None = None) -> list[dict[str, Any]] | None:
+    """The specs of the tools named in `agent.offer_tools` (None when none are named)."""
+    if not names:
+        return None
+    from loongsage.extensions import resolve
+
+    return [(resolve(custom[n], "tool")() if custom and n in custom else BUILTIN_TOOLS[n]()).spec for n in names]

@@ -26,7 +26,8 @@ class TaskConfig(BaseModel):
     prompt_format: str | None = Field(None, description="user data: a string prompt becomes one user chat message "
                                       "of this text with {prompt} replaced (e.g. the answer format an instruct "
                                       "model is asked for); None keeps it a raw completion prompt")
-    answer_key: str = "answer"
+    answer_key: str = Field("answer", description="user data: the reference answer's key; prompt_key and answer_key "
+                            "may be dotted to reach into nested records (DAPO-Math: reward_model.ground_truth)")
     bad_rows: Literal["error", "skip"] = Field("error", description="a malformed row of train_path/eval_path: stop "
                                                "with its file and line, or skip it (each listed in a warning)")
 

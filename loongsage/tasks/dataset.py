@@ -90,24 +90,32 @@ def _read_jsonl(path: Path):
             yield line_no, rec
 
 
+def field_of(rec: dict[str, Any], key: str, where: str) -> Any:
+    """`rec[key]`, where a dotted key reaches into nested records (DAPO-Math: `reward_model.ground_truth`)."""
+    value: Any = rec
+    for i, part in enumerate(key.split(".")):
+        if not isinstance(value, dict) or part not in value:
+            seen = sorted(value) if isinstance(value, dict) else type(value).__name__
+            at = ".".join(key.split(".")[:i]) or "row"
+            raise DataError(f"{where}: missing key {key!r} ({at} has {seen})")
+        value = value[part]
+    return value
+
+
 def _to_row(rec: dict[str, Any], schema: DataSchema, where: str) -> TaskRow:
-    for key in (schema.prompt_key, schema.answer_key):
-        if key not in rec:
-            raise DataError(f"{where}: missing key {key!r} (row has {sorted(rec)})")
-    prompt = rec[schema.prompt_key]
+    prompt, answer = field_of(rec, schema.prompt_key, where), field_of(rec, schema.answer_key, where)
     if isinstance(prompt, list):
         if not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
             raise DataError(f"{where}: {schema.prompt_key!r} as a list must hold messages with 'role' and 'content'")
     elif not isinstance(prompt, str) or not prompt:
         raise DataError(f"{where}: {schema.prompt_key!r} must be a non-empty string or a list of messages")
-    answer = rec[schema.answer_key]
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise DataError(f"{where}: {schema.answer_key!r} must be a string or a number, got {type(answer).__name__}")
     tag = rec.get(schema.tag_key, schema.default_tag) if schema.tag_key else schema.default_tag
     tools = rec.get(schema.tools_key) if schema.tools_key else None
     if tools is not None and not isinstance(tools, list):
         raise DataError(f"{where}: {schema.tools_key!r} must be a list of tool specs")
-    skip = {schema.prompt_key, schema.answer_key, schema.tag_key, schema.tools_key, "meta"}
+    skip = {schema.prompt_key.split(".")[0], schema.answer_key.split(".")[0], schema.tag_key, schema.tools_key, "meta"}
     meta = {k: v for k, v in rec.items() if k not in skip}
     if isinstance(rec.get("meta"), dict):
         meta.update(rec["meta"])

@@ -32,8 +32,9 @@ it, or a value of `summary.json` (`summary.<dotted path>`), optionally divided b
     loongsage validate RECIPE --run-dir RUN_DIR            # check a finished run
 
 `validate` prints the table, and writes `RUN_DIR/validation.json`, `validation.md` and the plots.
-GPU recipes (`recipes/gpu/`: real Qwen3 models on GSM8K with SGLang and Megatron-Core, their bounds
-taken from published results) run where a GPU exists; elsewhere `validate` says so and exits 3.
+GPU recipes (`recipes/gpu/`: real Qwen3 models with SGLang and Megatron-Core or FSDP2: GRPO on GSM8K,
+DAPO-style RL on DAPO-Math-17k in colocated placement, a Python-tool agent on GSM8K; their bounds
+from published results) run where a GPU exists; elsewhere `validate` says so and exits 3.
 CI runs each CPU recipe's quick form in its end-to-end tests and checks the same `quick.expect`
 (`tests/test_train_e2e.py`, `test_agent_train_e2e.py`, `test_opd_recipe.py`, `test_demo_e2e.py`).
 
