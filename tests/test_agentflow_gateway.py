@@ -192,6 +192,36 @@ def test_whitebox_episode(tool_engine, tool_model):
     assert crashed.status == "failed" and "KeyError" in crashed.reason and crashed.chains[0].model_tokens > 0
 
 
+def test_a_white_box_rollout_offers_configured_tools_to_rows_that_declare_none(tool_engine, tool_model):
+    """agent.offer_tools: a math-style row without tools gets the calculator in its prompt and the
+    tool runs (without the offer the call meets no implementation)."""
+    import dataclasses
+
+    from loongsage.agentflow.config import AgentConfig
+    from loongsage.agentflow.rollouts import make_rollout
+    from loongsage.rollout.single_turn import RolloutSetup
+
+    bare = dataclasses.replace(ROW, tools=None)
+
+    async def episode(offer):
+        router = Router([tool_engine.url])
+        tok = AutoTokenizer.from_pretrained(tool_model)
+        rollout = make_rollout(RolloutSetup(router, tok, tool_model, get_task("calculator"), GREEDY, 64,
+                                            AgentConfig(kind="whitebox", offer_tools=offer)))
+        try:
+            await rollout.start()
+            return await rollout.episode(bare, "offer", GREEDY), ChatTokens(tok, tool_model)
+        finally:
+            await rollout.stop()
+            await router.aclose()
+
+    (offered, chat), (plain, _) = asyncio.run(episode(["calculator"])), asyncio.run(episode([]))
+    assert offered.chains[0].ids[:len(chat.prompt_ids(ROW.prompt, ROW.tools))] == chat.prompt_ids(ROW.prompt, ROW.tools)
+    assert offered.reward == 1.0 and offered.chains[0].messages[2]["content"] == "42"
+    assert plain.chains[0].ids[:len(chat.prompt_ids(ROW.prompt, []))] == chat.prompt_ids(ROW.prompt, [])
+    assert plain.reward == 0.0
+
+
 AGENTS = {
     "crash": "import sys; sys.stdin.read(); sys.exit(3)",
     "hang": "import time; time.sleep(60)",
