@@ -143,6 +143,11 @@ def test_the_recipes_page_is_rendered_from_the_latest_validated_run_of_each_reci
     assert "| `eval/accuracy` | >= 0.3 | 0.6 | pass |" in page and "| 0.5 |" not in page  # the later run of a
     assert "| `eval/accuracy` | >= 0.3 | 0.1 | FAIL |" in page
     assert (tmp_path / "docs" / "img" / "recipes" / "b-curves.png").read_bytes() == b"png"
+    write_report(runs[2], check_run(runs[2], [Expectation(metric="eval/accuracy", min=0.05)]), "recipes/b.yaml", False)
+    page = render([runs[2]], tmp_path / "docs" / "recipes.md").read_text()  # a's run is not given again:
+    assert "| `eval/accuracy` | >= 0.3 | 0.6 | pass |" in page  # its kept report still shows, with its plot
+    assert "| `eval/accuracy` | >= 0.05 | 0.1 | pass |" in page and "FAIL" not in page
+    assert "![a curves](img/recipes/a-curves.png)" in page
     with pytest.raises(FileNotFoundError, match="not validated"):
         render([tmp_path], tmp_path / "x.md")
 

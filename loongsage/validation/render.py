@@ -32,6 +32,8 @@ it, or a value of `summary.json` (`summary.<dotted path>`), optionally divided b
     loongsage validate RECIPE --run-dir RUN_DIR            # check a finished run
 
 `validate` prints the table, and writes `RUN_DIR/validation.json`, `validation.md` and the plots.
+The page keeps each shown report in `docs/validations/`, so rendering only the runs just validated
+(`python scripts/render_recipes_doc.py RUN_DIR ...`) leaves the other recipes' latest results on it.
 GPU recipes (`recipes/gpu/`: real Qwen3 models with SGLang and Megatron-Core or FSDP2: GRPO on GSM8K,
 DAPO-style RL on DAPO-Math-17k in colocated placement, a Python-tool agent on GSM8K; their bounds
 from published results) run where a GPU exists; elsewhere `validate` says so and exits 3.
@@ -43,25 +45,34 @@ CI runs each CPU recipe's quick form in its end-to-end tests and checks the same
 
 
 def render(run_dirs: list[str | Path], out: str | Path) -> Path:
-    """Writes `out` with one section per run (the latest per recipe and form wins) and copies each
-    run's curves and timeline next to it (`img/recipes/`)."""
+    """Writes `out` with one section per recipe and form (the latest validated run wins) and copies
+    each run's curves and timeline next to it (`img/recipes/`). Each shown report is kept in
+    `validations/` beside the page, so a later render with only some recipes' runs keeps the others'
+    results (their run directories may be long gone)."""
     out = Path(out)
-    images = out.parent / "img" / "recipes"
-    latest: dict[tuple[str, bool], tuple[dict, Path]] = {}
+    images, kept = out.parent / "img" / "recipes", out.parent / "validations"
+    latest: dict[tuple[str, bool], tuple[dict, Path | None]] = {}
+
+    def offer(report: dict, run_dir: Path | None) -> None:
+        key = (report["recipe"], report["quick"])
+        if key not in latest or report["checked_at"] >= latest[key][0]["checked_at"]:
+            latest[key] = (report, run_dir)
+
+    for path in sorted(kept.glob("*.json")):
+        offer(json.loads(path.read_text()), None)
     for d in map(Path, run_dirs):
         path = d / "validation.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path}: not validated (run `loongsage validate ... --run-dir {d}` first)")
-        report = json.loads(path.read_text())
-        key = (report["recipe"], report["quick"])
-        if key not in latest or report["checked_at"] >= latest[key][0]["checked_at"]:
-            latest[key] = (report, d)
+        offer(json.loads(path.read_text()), d)
     lines = [INTRO, "| recipe | form | verdict | checked | machine |", "|---|---|---|---|---|"]
     for (recipe, quick), (report, _) in sorted(latest.items()):
         lines.append(f"| `{recipe}` | {'quick' if quick else 'full'} | {'pass' if report['passed'] else 'FAIL'} | "
                      f"{report['checked_at']} | {report['machine']} |")
     for (recipe, quick), (report, d) in sorted(latest.items()):
         name = f"{Path(recipe).stem}{'-quick' if quick else ''}"
+        kept.mkdir(parents=True, exist_ok=True)
+        (kept / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
         lines += ["", f"### `{recipe}` ({'quick' if quick else 'full'}): {'pass' if report['passed'] else 'FAIL'}", "",
                   "| metric | bound | measured | result | why |", "|---|---|---|---|---|"]
         for c in report["checks"]:
@@ -69,9 +80,10 @@ def render(run_dirs: list[str | Path], out: str | Path) -> Path:
             lines.append(f"| `{c['metric']}` | {c['bound']} | {shown} | {'pass' if c['passed'] else 'FAIL'} | "
                          f"{c['why']} |")
         for picture in ("curves", "timeline"):
-            if (d / f"{picture}.png").is_file():
+            if d is not None and (d / f"{picture}.png").is_file():
                 images.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(d / f"{picture}.png", images / f"{name}-{picture}.png")
+            if (images / f"{name}-{picture}.png").is_file():
                 lines += ["", f"![{name} {picture}](img/recipes/{name}-{picture}.png)"]
     out.write_text("\n".join(lines) + "\n")
     return out
