@@ -1,6 +1,8 @@
 """Pure pieces of the controller path: collate/shards, router choice, LR schedule, sampler, metrics."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from loongsage.controller.sampler import PromptSampler
@@ -56,6 +58,31 @@ def test_router_least_outstanding_and_sticky_sessions():
     assert r.pick("conv-b") == 0
     with pytest.raises(ValueError):
         Router([])
+
+
+def test_a_call_on_each_engine_marks_down_those_that_fail_it_and_raises_a_wrong_call():
+    """What colocation's hand-overs rely on: a dead engine does not fail the hand-over of the others."""
+    from loongsage.rollout.client import EngineError
+
+    r = Router(["http://127.0.0.1:1", "http://127.0.0.1:2"])
+    reported, seen = [], []
+    r.on_engine_failure = lambda idx, exc: reported.append(idx)
+
+    async def call(client):
+        seen.append(r.clients.index(client))
+        if client is r.clients[0]:
+            raise ConnectionError("engine went away")
+
+    asyncio.run(r.on_each_up(call))
+    assert seen == [0, 1] and r.up == [False, True] and reported == [0]
+    asyncio.run(r.on_each_up(call))
+    assert seen == [0, 1, 1]  # a down engine is skipped
+
+    async def wrong(client):
+        raise EngineError(400, "unknown tag", "http://127.0.0.1:2")
+    with pytest.raises(EngineError, match="unknown tag"):  # the call's own fault is not the engine's
+        asyncio.run(r.on_each_up(wrong))
+    assert r.up == [False, True]
 
 
 def test_lr_schedules():

@@ -97,6 +97,26 @@ def test_a_colocated_runtime_places_its_actors_and_time_shares_the_engine(ray_se
             after = (await waiting)[0]
             assert after.output_ids == before.output_ids  # the same weights came back
             assert col.metrics()["time/colocate_release_s"] > 0
+            # an engine that dies while released: the hand-back goes on without it (marked down) ...
+            await col.hand_to_trainer()
+            ray.kill(rt.engines.actors[0])
+            await col.hand_to_engines()
+            assert rt.router.up == [False]
+            # ... and its replacement starts in the engines' turn, not on a device the trainer holds
+            started = []
+
+            async def replace(idx):
+                started.append(idx)
+                await rt.replace_engine(idx)
+            await col.hand_to_trainer()
+            replacing = asyncio.create_task(col.replacing(replace)(0))
+            await asyncio.sleep(0.3)
+            assert not started
+            await col.hand_to_engines()
+            await replacing
+            assert started == [0] and rt.router.up == [True]
+            again = await rt.router.generate([1, 2, 3], {"max_new_tokens": 4, "temperature": 0})
+            assert again[0].output_ids == before.output_ids  # the trainer's weights, on the new engine
         finally:
             await rt.close()
         assert group not in {pg["placement_group_id"] for pg in ray.util.placement_group_table().values()

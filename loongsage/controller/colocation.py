@@ -10,12 +10,19 @@
 Only a synchronous schedule can do this (rollout.max_staleness 0, checked with the config): with
 generation overlapping training there would be no moment the engines are idle. A disaggregated run
 has no Colocation; the loop is otherwise the same.
+
+Engines that die: the hand-overs skip engines that are down, and an engine that fails its release or
+resume is marked down and reported to the supervisor (the hand-over goes on without it). Its
+replacement starts only in the engines' turn (`replacing`): a new engine allocates weights and KV
+cache and takes the current weights, which it must not do on a device the trainer holds; a train
+step that comes meanwhile waits for it.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from loongsage.rollout.router import Router
 from loongsage.timeline import Timeline
@@ -30,11 +37,13 @@ class Colocation:
     resumed_s: float = 0.0
     offloaded_bytes: int = 0
     _t_released: float | None = None
+    _trainers_turn: asyncio.Lock = field(default_factory=asyncio.Lock)  # from hand_to_trainer to hand_to_engines
 
     async def hand_to_trainer(self) -> None:
+        await self._trainers_turn.acquire()  # an engine being replaced is ready first
         t0 = time.perf_counter()
         await self.router.hold()
-        await asyncio.gather(*[c.release_memory(["kv_cache", "weights"]) for c in self.router.clients])
+        await self.router.on_each_up(lambda c: c.release_memory(["kv_cache", "weights"]))
         await self.trainers.reload_optimizer()
         self._t_released = time.perf_counter()
         self.released_s = self._t_released - t0
@@ -44,14 +53,23 @@ class Colocation:
         t0 = time.perf_counter()
         try:
             self.offloaded_bytes = await self.trainers.offload_optimizer()
-            await asyncio.gather(*[c.resume_memory(["weights", "kv_cache"]) for c in self.router.clients])
+            await self.router.on_each_up(lambda c: c.resume_memory(["weights", "kv_cache"]))
         finally:
             self.router.reopen()
+            self._trainers_turn.release()
         now = time.perf_counter()
         self.resumed_s = now - t0
         self.timeline.add("colocation", "resume engines", t0, now)
         if self._t_released is not None:
             self.timeline.add("colocation: engines released", "released", self._t_released, t0)
+
+    def replacing(self, replace: Callable[[int], Awaitable[None]]) -> Callable[[int], Awaitable[None]]:
+        """`replace(idx)` (Runtime.replace_engine) run in the engines' turn: after the trainer's
+        step, before the next one."""
+        async def in_engines_turn(idx: int) -> None:
+            async with self._trainers_turn:
+                await replace(idx)
+        return in_engines_turn
 
     def metrics(self) -> dict[str, float]:
         return {"time/colocate_release_s": self.released_s, "time/colocate_resume_s": self.resumed_s,

@@ -93,10 +93,11 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     teachers = sources = watching = None
     producing: list[asyncio.Task] = []
     main = asyncio.current_task()
-    supervisor = EngineSupervisor([Fleet("engine", rt.router, rt.replace_engine)], cfg.rollout.health,
+    colocation = Colocation(rt.router, rt.trainers, timeline) if cfg.placement.mode == "colocated" else None
+    replace_engine = colocation.replacing(rt.replace_engine) if colocation else rt.replace_engine
+    supervisor = EngineSupervisor([Fleet("engine", rt.router, replace_engine)], cfg.rollout.health,
                                   lambda exc: main.cancel(), console, timeline)
     pending = upcoming = None
-    colocation = Colocation(rt.router, rt.trainers, timeline) if cfg.placement.mode == "colocated" else None
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         if cfg.teachers:  # teachers score each group as it completes, inside the producers' tasks

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 
 from loongsage.rollout import protocol as P
@@ -72,6 +72,19 @@ class Router:
         for session in [s for s, i in self.sessions.items() if i == idx]:
             del self.sessions[session]
         await self.mark_up(idx)
+
+    async def on_each_up(self, call: Callable[[EngineClient], Awaitable]) -> None:
+        """`call(client)` on every engine that is up, at once. An engine that fails it (unreachable,
+        5xx) is marked down and reported like a failed request, so the supervisor replaces it; a
+        4xx (the call itself was wrong) is raised."""
+        idxs = [i for i, up in enumerate(self.up) if up]
+        results = await asyncio.gather(*[call(self.clients[i]) for i in idxs], return_exceptions=True)
+        for i, result in zip(idxs, results):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception) or system_failure(result) is None:
+                    raise result
+                self.mark_down(i)
+                self._report(i, result)
 
     # ---- held while colocated engines give their devices to the trainer ----------------------
     def _gate(self) -> asyncio.Event:
