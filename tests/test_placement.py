@@ -100,6 +100,14 @@ def test_a_colocated_runtime_places_its_actors_and_time_shares_the_engine(ray_se
             # an engine that dies while released: the hand-back goes on without it (marked down) ...
             await col.hand_to_trainer()
             ray.kill(rt.engines.actors[0])
+            for _ in range(300):  # ray.kill returns before the process is gone
+                try:
+                    await client.model_info()
+                except Exception:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail("the killed engine still answers")
             await col.hand_to_engines()
             assert rt.router.up == [False]
             # ... and its replacement starts in the engines' turn, not on a device the trainer holds
