@@ -119,7 +119,15 @@ def _raw_post(url: str, path: str, headers: dict[str, str], body: bytes, timeout
     with socket.create_connection((u.hostname, u.port), timeout=timeout_s) as sock:
         head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.hostname}\r\n{head}\r\n".encode() + body)
-        return sock.recv(65536)
+        answer = b""  # the whole response: its head and body may come in separate packets
+        while True:
+            chunk = sock.recv(65536)
+            answer += chunk
+            top, sep, rest = answer.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in top.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), None)
+            if not chunk or (sep and length is not None and len(rest) >= length):
+                return answer
 
 
 def test_an_oversized_body_is_refused_by_its_declared_length_before_it_is_read(engine):

@@ -26,6 +26,7 @@ def tool_call_attempts(r: dict) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # three bootstraps from scratch (~5 min alone, ~8 on a loaded machine) and 70 steps
 def test_the_opd_recipe_student_learns_from_both_teachers(ray_session, tmp_path):
     cfg, expect = validated_config("recipes/multi_teacher_opd.yaml", [  # the recipe's short form
         f"run_dir={tmp_path / 'run'}", f"bootstrap.cache_dir={tmp_path / 'base'}", f"model.cache_dir={tmp_path / 'models'}"],
