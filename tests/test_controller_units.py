@@ -66,7 +66,8 @@ def test_a_call_on_each_engine_marks_down_those_that_fail_it_and_raises_a_wrong_
 
     r = Router(["http://127.0.0.1:1", "http://127.0.0.1:2"])
     reported, seen = [], []
-    r.on_engine_failure = lambda idx, exc: reported.append(idx)
+    # the supervisor checks (and so replaces) only an engine it still finds up when told of the failure
+    r.on_engine_failure = lambda idx, exc: reported.append((idx, r.up[idx]))
 
     async def call(client):
         seen.append(r.clients.index(client))
@@ -74,7 +75,7 @@ def test_a_call_on_each_engine_marks_down_those_that_fail_it_and_raises_a_wrong_
             raise ConnectionError("engine went away")
 
     asyncio.run(r.on_each_up(call))
-    assert seen == [0, 1] and r.up == [False, True] and reported == [0]
+    assert seen == [0, 1] and r.up == [False, True] and reported == [(0, True)]
     asyncio.run(r.on_each_up(call))
     assert seen == [0, 1, 1]  # a down engine is skipped
 

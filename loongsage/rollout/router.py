@@ -83,8 +83,8 @@ class Router:
             if isinstance(result, BaseException):
                 if not isinstance(result, Exception) or system_failure(result) is None:
                     raise result
+                self._report(i, result)  # first: the supervisor checks an engine it finds up (and marks it down)
                 self.mark_down(i)
-                self._report(i, result)
 
     # ---- held while colocated engines give their devices to the trainer ----------------------
     def _gate(self) -> asyncio.Event:
