@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -75,12 +76,24 @@ def tool_engine(tool_model):
         yield ep
 
 
+def _cache_root(tmp_path_factory, name: str):
+    """A fresh folder for the session, or, where LOONGSAGE_TEST_CACHE names a folder, one kept across
+    sessions there (a developer timing one heavy test need not rebuild its bootstrap each time; CI
+    never sets it, so every bootstrap is built from scratch there)."""
+    keep = os.environ.get("LOONGSAGE_TEST_CACHE")
+    if not keep:
+        return tmp_path_factory.mktemp(name)
+    root = Path(keep) / name
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="session")
 def calc_caches(tmp_path_factory):
     """Bootstrap, model and data caches shared by every run on the calculator task in this session:
     the agent recipes' bootstrap (SFT on tool demonstrations) is built once, by whichever test needs
     it first."""
-    root = tmp_path_factory.mktemp("calc-caches")
+    root = _cache_root(tmp_path_factory, "calc-caches")
     return root, {"bootstrap": root / "base", "models": root / "models", "data": root / "data"}
 
 
@@ -88,6 +101,6 @@ def calc_caches(tmp_path_factory):
 def arith_caches(tmp_path_factory):
     """Bootstrap, model and data caches of every short arithmetic run in this session (the
     bootstrap SFT runs once, in whichever test needs it first)."""
-    root = tmp_path_factory.mktemp("e2e")
+    root = _cache_root(tmp_path_factory, "e2e")
     return [f"bootstrap.cache_dir={root / 'base'}", f"model.cache_dir={root / 'models'}",
             f"task.data_dir={root / 'data'}"], root

@@ -113,6 +113,20 @@ def test_sft_bootstraps_keep_their_own_constant_schedule_whatever_the_runs_decay
         assert lr_factor(10_000, t) == 1.0
 
 
+def test_an_sft_with_its_own_threads_is_not_pinned_to_the_runs_trainer_core():
+    """The count recipe pins its trainer to core 0 (the engine has core 1) for its async run; its
+    bootstrap asks for 2 threads, which one pinned core would only make contend."""
+    from loongsage.config import load_config
+    from loongsage.controller.sft import sft_trainer
+
+    cfg = load_config("recipes/count_grpo.yaml")
+    assert cfg.trainer.cpu_affinity == [0] and cfg.trainer.threads == 1
+    t = sft_trainer(cfg.trainer, cfg.bootstrap.sft)
+    assert (t.threads, t.cpu_affinity) == (2, None)
+    t = sft_trainer(cfg.trainer, cfg.bootstrap.sft.model_copy(update={"threads": None}))
+    assert (t.threads, t.cpu_affinity) == (1, [0])  # unset: the run's trainer as it is
+
+
 def test_sampler_covers_every_row_each_epoch():
     rows = [TaskRow(prompt=str(i), answer="x") for i in range(5)]
     s = PromptSampler(rows, seed=1)
@@ -179,3 +193,19 @@ def test_a_weight_update_that_fails_ends_the_wait_for_the_next_batch():
         assert await _batch_unless_update_fails(done, ok) == "batch"
 
     asyncio.run(go())
+
+
+def test_runs_that_differ_only_in_agent_timeout_or_output_cap_share_one_base_policy():
+    """The bootstrap cache key holds what shapes the base policy: an agent's timeout or output cap do
+    not (a fault test with a 15 s timeout built the calculator bootstrap a second time, ~5 minutes of
+    CI), its turns and tokens do (the dev rollouts that stop the SFT)."""
+    from loongsage.config import load_config
+    from loongsage.controller.bootstrap import base_policy_dir
+
+    base = ["bootstrap.cache_dir=/cache"]
+    key = base_policy_dir(load_config("recipes/calc_agent_blackbox.yaml", base))
+    assert base_policy_dir(load_config("recipes/calc_agent_whitebox.yaml", base)) == key
+    same = ["agent.limits.timeout_s=15", "agent.limits.max_output_bytes=4096"]
+    assert base_policy_dir(load_config("recipes/calc_agent_blackbox.yaml", base + same)) == key
+    for other in ("agent.limits.max_turns=2", "agent.limits.max_tokens=400"):
+        assert base_policy_dir(load_config("recipes/calc_agent_blackbox.yaml", base + [other])) != key

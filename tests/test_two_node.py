@@ -39,9 +39,14 @@ def _check(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_trainer_and_engines_on_two_nodes_train_through_a_relay():
+def test_trainer_and_engines_on_two_nodes_train_through_a_relay(arith_caches):
+    """The arithmetic recipe's short form, from the session's cached bootstrap (the e2e runs build it;
+    the path is absolute, so the worker node's engines load it from the same disk)."""
+    from loongsage.config import load_config
+
+    quick = [o for o in load_config("recipes/arith_grpo.yaml").quick.overrides if not o.startswith("train.")]
     before = _namespaces()
-    out = _check("--steps", "20", "--engines", "2")
+    out = _check("--steps", "20", "--engines", "2", *quick, *arith_caches[0])
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["nodes"] == 2 and result["hosts"]["head"] != result["hosts"]["worker"]

@@ -17,9 +17,12 @@ from loongsage.teachers.launch import check_tokenizer
 
 def base_policy_dir(cfg) -> Path:
     """Where the base policy of `cfg` is cached: a key of everything that shapes it (unset new
-    fields are left out, so older caches stay valid)."""
+    fields are left out, so older caches stay valid). Of an agent's limits only the episode's turns
+    and tokens shape it (its dev rollouts): a run with a shorter agent timeout or output cap reuses
+    the same base policy."""
     parts = [[s.task.model_dump(exclude={"data_dir"} | ({"reward"} if s.task.reward is None else set())),
-              s.agent.kind != "single_turn", s.agent.limits.model_dump()] for s in cfg.sources()]
+              s.agent.kind != "single_turn", s.agent.limits.model_dump(include={"max_turns", "max_tokens"})]
+             for s in cfg.sources()]
     model = cfg.model.model_dump(exclude={"cache_dir"})
     if len(parts) == 1:
         task, is_agent, limits = parts[0]

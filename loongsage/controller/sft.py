@@ -127,7 +127,8 @@ async def sft_command(cfg) -> dict:
 
 def sft_trainer(trainer: TrainerConfig, sft) -> TrainerConfig:
     """The run's trainer with the SFT's optimizer settings: its own lr, betas and warm-up, a constant
-    schedule (the run's decay is the run's), fp32, `sft.threads`."""
+    schedule (the run's decay is the run's), fp32; `sft.threads` if set, then unpinned (the run's
+    cpu_affinity keeps the trainer off the engine's core, which idles between dev evaluations)."""
+    own = {"threads": sft.threads, "cpu_affinity": None} if sft.threads else {}
     return TrainerConfig(**{**trainer.model_dump(), "lr": sft.lr, "betas": sft.betas, "warmup_steps": sft.warmup_steps,
-                            "lr_schedule": "constant", "total_steps": None, "decay_steps": None, "bf16": False,
-                            "threads": sft.threads or trainer.threads})
+                            "lr_schedule": "constant", "total_steps": None, "decay_steps": None, "bf16": False, **own})

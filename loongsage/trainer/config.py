@@ -71,4 +71,5 @@ class SFTConfig(BaseModel):
     dev_size: int = Field(200, ge=1, description="train rows held back to decide when to stop")
     target_accuracy: float | None = Field(0.3, gt=0, le=1, description="stop once dev accuracy reaches it")
     threads: int | None = Field(None, ge=1, description="torch threads of the trainer ranks while fine-tuning "
-                                "(default: trainer.threads; the engine is mostly idle meanwhile)")
+                                "(default: trainer.threads and its cpu_affinity; when set, the run's pinning is "
+                                "not applied: the engine is mostly idle meanwhile)")
