@@ -49,7 +49,7 @@ def test_opd_vs_rl_distils_purely_from_the_rl_policy_and_times_a_smoothed_reach_
     assert [t.name for t in cfg.teachers] == ["rl_teacher"] and cfg.sources()[0].teachers == {"rl_teacher": 1.0}
     d = cfg.algo.loss.distill
     assert (d.gkd_coef, d.gkd_signal, cfg.train.target_accuracy) == (1.0, "full_fkl", None)  # runs all its steps
-    assert cfg.trainer.lr == load_config("recipes/arith_grpo.yaml").trainer.lr  # the RL run's lr (see the docstring)
+    assert cfg.trainer.lr == 3e-4  # 3x the RL run's (measured: 200 steps to the target against 280 at 1e-4)
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"step": 0, "eval/accuracy": 0.5, "time/elapsed_s": 1.0},  # the base policy's own eval never counts
