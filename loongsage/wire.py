@@ -9,6 +9,7 @@ import json
 from collections.abc import Awaitable
 from typing import Any
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -115,9 +116,13 @@ def error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
 
 
+def dumps(obj) -> bytes:
+    """Already-JSON data straight to bytes, by orjson (as SGLang answers: a non-finite float is null).
+    FastAPI's jsonable_encoder walks every element in Python first, and the standard library's encoder
+    still spent a fifth of a teacher engine's time on full-vocabulary logprobs (2026-12-07): with one
+    core and one GIL every such millisecond stalls the forward."""
+    return orjson.dumps(obj)
+
+
 def json_response(obj) -> Response:
-    """Already-JSON data straight to bytes: FastAPI's jsonable_encoder walks every element in Python
-    first, which on a batch's logprobs cost the HTTP thread more than the step thread's forward, and
-    with one core and one GIL every such millisecond stalls generation."""
-    return Response(json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode(),
-                    media_type="application/json")
+    return Response(dumps(obj), media_type="application/json")

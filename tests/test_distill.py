@@ -18,7 +18,7 @@ from loongsage.algo.config import DistillConfig, LossConfig
 from loongsage.config import ConfigError, load_config
 from loongsage.controller.bootstrap import base_policy_dir, teacher_bootstrap_config
 from loongsage.controller.sources import stratify
-from loongsage.rollout.client import EngineClient
+from loongsage.rollout.client import EngineClient, EngineError
 from loongsage.rollout.router import Router
 from loongsage.sample import Group, Sample, TeacherScores
 from loongsage.teachers.config import TeacherConfig
@@ -173,25 +173,65 @@ def test_stratified_order_gives_every_shard_each_source_in_proportion():
 # ---- teachers on real engines -----------------------------------------------------------------------
 def test_teacher_scores_equal_a_full_forward_of_the_teacher(engine_b, tiny_model_b):
     """A prefill of the student's exact ids returns, per response token, the teacher's logprob of it
-    and its top-k, as transformers computes them on the same sequence."""
-    prompt, response = [10, 11, 12, 13], [20, 21, 22]
+    and its top-k, as transformers computes them on the same sequence. A group is one batched request
+    (per-sample `logprob_start_len`): samples with prompts of different lengths each get their own."""
+    cases = [([10, 11, 12, 13], [20, 21, 22]), ([14, 15], [23, 24, 25, 26]), ([16, 17, 18, 19, 20, 21], [27])]
     teacher = Teacher(TeacherConfig(name="b", model=tiny_model_b), Router([engine_b.url]), 1)
     mgr = TeacherManager([teacher], None, top_k=5)
 
     async def go():
         await mgr.start()
-        s = Sample(prompt, response, [1, 1, 1], [0.0] * 3, [0] * 3)
-        await mgr.score_group(Group([s], [0.0]), {"b": 1.0})
+        group = [Sample(p, r, [1] * len(r), [0.0] * len(r), [0] * len(r)) for p, r in cases]
+        await mgr.score_group(Group(group, [0.0] * len(group)), {"b": 1.0})
         await mgr.close()
-        return s.teacher["b"]
-    scores = run(go())
-    ref = reference_logprobs(tiny_model_b, prompt + response)
-    want = [ref[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(response)]
-    assert scores.logprobs == pytest.approx(want, abs=1e-4)
-    top = ref[len(prompt) - 1: len(prompt) - 1 + 3].topk(5, dim=-1)
-    assert scores.top_ids == top.indices.tolist()
-    assert [[round(v, 4) for v in row] for row in scores.top_logprobs] == \
-        [[round(v, 4) for v in row] for row in top.values.tolist()]
+        return [s.teacher["b"] for s in group]
+    for (prompt, response), scores in zip(cases, run(go())):
+        ref = reference_logprobs(tiny_model_b, prompt + response)
+        want = [ref[len(prompt) - 1 + i, tok].item() for i, tok in enumerate(response)]
+        assert scores.logprobs == pytest.approx(want, abs=1e-4)
+        top = ref[len(prompt) - 1: len(prompt) - 1 + len(response)].topk(5, dim=-1)
+        assert scores.top_ids == top.indices.tolist()
+        assert [[round(v, 4) for v in row] for row in scores.top_logprobs] == \
+            [[round(v, 4) for v in row] for row in top.values.tolist()]
+
+
+class CountingRouter(Router):
+    """A real router that counts its batched scoring requests."""
+    calls: list
+
+    async def generate_batch(self, batch, sampling_params, rid=None, **kw):
+        self.calls.append(len(batch))
+        return await super().generate_batch(batch, sampling_params, rid, **kw)
+
+
+def test_groups_queued_together_are_one_request_and_a_bad_group_fails_alone(engine_b, tiny_model_b):
+    """Single-sample groups (n = 1) that complete together are scored in one request, not one each;
+    a group the engine refuses (longer than the teacher's 256-token context) fails alone: the
+    others in its request are scored all the same."""
+    router = CountingRouter([engine_b.url])
+    router.calls = []
+    mgr = TeacherManager([Teacher(TeacherConfig(name="b", model=tiny_model_b), router, 1)], None, top_k=2)
+    good = [Sample([10 + i, 11], [20, 21 + i], [1, 1], [0.0] * 2, [0] * 2) for i in range(12)]
+    bad = Sample([10] * 250, [20] * 10, [1] * 10, [0.0] * 10, [0] * 10)
+
+    async def go():
+        await mgr.start()
+        try:
+            first = await asyncio.gather(*[mgr.score_group(Group([s], [0.0]), {"b": 1.0}) for s in good[:8]])
+            calls = list(router.calls)
+            mixed = await asyncio.gather(*[mgr.score_group(Group([s], [0.0]), {"b": 1.0}) for s in [*good[8:], bad]],
+                                         return_exceptions=True)
+            return first, calls, mixed
+        finally:
+            await mgr.close()
+    first, calls, mixed = run(go())
+    assert calls == [8]  # eight groups, one request
+    assert all(r is None for r in mixed[:-1]) and isinstance(mixed[-1], EngineError)
+    assert "context" in str(mixed[-1])
+    for s in good:
+        ref = reference_logprobs(tiny_model_b, s.prompt_ids + s.response_ids)
+        want = [ref[len(s.prompt_ids) - 1 + i, tok].item() for i, tok in enumerate(s.response_ids)]
+        assert s.teacher["b"].logprobs == pytest.approx(want, abs=1e-4)
 
 
 def test_tokens_after_the_last_trained_one_are_not_sent_to_the_teacher(engine_b, tiny_model_b):

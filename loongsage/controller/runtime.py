@@ -100,17 +100,21 @@ class Runtime:
     remesh: Callable[[], Awaitable[WeightMesh]] | None = None  # a new TransferMesh over the current engines
     client: Callable[[str], object] | None = None  # url -> a client of the run's engines
     placement: RunPlacement | None = None  # the run's placement group (its teachers' bundles too)
+    teacher_engines: list | None = None  # started beside the rest (`launch_teachers`) until a manager takes them
 
     @classmethod
     async def start(cls, model_dir: str, trainer: TrainerConfig, engine: EngineConfig, rollout: RolloutConfig,
                     ray_cfg: RayConfig, with_reference: bool = False,
                     transfer: TransferConfig | None = None, reference_dir: str | None = None,
-                    placement: PlacementConfig | None = None, teachers=()) -> Runtime:
+                    placement: PlacementConfig | None = None, teachers=(),
+                    launch_teachers: Callable[[str, RunPlacement], Awaitable[list]] | None = None) -> Runtime:
         """`model_dir`: the policy the trainer and engines start from; `reference_dir`: the KL
         reference's weights (default: the same); `placement`: how the actors (and the engines of
-        `teachers`, started later by teachers/launch.py) are laid out in the run's placement group."""
+        `teachers`) are laid out in the run's placement group; `launch_teachers(shm_prefix, pg)`
+        starts the teachers' engines beside the trainers and engines (`Runtime.teacher_engines`)."""
         started = init_ray(ray_cfg)
         trainers = engines = reference = pg = None
+        teacher_engines: list = []
         transfer = transfer or TransferConfig()
         # The run's own names: its shared-memory buffers (engines map no others) and, when the config
         # names no folder, the disk route's (the only place engines load weight files from).
@@ -131,9 +135,12 @@ class Runtime:
                 asyncio.to_thread(EngineGroup, model_dir, engine, rollout, shm_prefix, (disk_dir,), pg),
                 *([asyncio.to_thread(TrainerGroup, trainer, reference_dir or model_dir, shm_prefix, pg, "reference")]
                   if with_reference else []),
+                *([launch_teachers(shm_prefix, pg)] if launch_teachers else []),
                 return_exceptions=True)
             trainers, engines = (p if not isinstance(p, BaseException) else None for p in parts[:2])
             reference = parts[2] if with_reference and not isinstance(parts[2], BaseException) else None
+            if launch_teachers and not isinstance(parts[-1], BaseException):
+                teacher_engines = parts[-1]
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
@@ -142,7 +149,7 @@ class Runtime:
             sync = await remesh()
             freeze_long_lived()  # the controller's imports and clients: out of the cyclic GC's full passes (heap.py)
         except BaseException:
-            for group in (engines, trainers, reference):
+            for group in (engines, trainers, reference, *teacher_engines):
                 if group is not None:
                     group.shutdown()
             if pg is not None:
@@ -155,7 +162,8 @@ class Runtime:
         client = client_factory(rollout.client, engines.api_key)
         router = Router([], clients=[client(u) for u in engines.urls], abort_retries=rollout.abort_retries,
                         engine_retries=rollout.health.engine_retries, engine_wait_s=rollout.health.engine_wait_s)
-        return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix, remesh, client, pg)
+        return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix, remesh, client, pg,
+                   teacher_engines if launch_teachers else None)
 
     def __post_init__(self) -> None:
         self.sync_lock = asyncio.Lock()  # held from a weight update's begin to its end, and by a mesh rebuild
@@ -181,6 +189,8 @@ class Runtime:
     async def close(self) -> None:
         await self.router.aclose()
         await self.sync.aclose()
+        for group in self.teacher_engines or ():  # not taken by a Teacher Manager (it stops its own)
+            group.shutdown()
         self.engines.shutdown()
         self.trainers.shutdown()
         if self.reference is not None:

@@ -60,7 +60,7 @@ from loongsage.rollout.resume import system_failure
 from loongsage.rollout.single_turn import RolloutSetup
 from loongsage.sample import Group, Sample
 from loongsage.tasks.base import task_spec
-from loongsage.teachers.launch import replace_teacher_engine, start_teachers, stop_teachers
+from loongsage.teachers.launch import launch_teacher_engines, replace_teacher_engine, start_teachers, stop_teachers
 from loongsage.timeline import Timeline
 from loongsage.trainer.batch import collate
 
@@ -79,7 +79,9 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     remove_crashed_shm(run_dir)
     rt = await Runtime.start(str(ckpt or base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
                              with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer, reference_dir=str(base),
-                             placement=cfg.placement, teachers=cfg.teachers)
+                             placement=cfg.placement, teachers=cfg.teachers,
+                             launch_teachers=functools.partial(launch_teacher_engines, cfg, teacher_dirs) if cfg.teachers
+                             else None)  # teachers' engines start beside the run's own
     start = 0 if state is None else state.step
     record_shm_prefix(run_dir, rt.shm_prefix)
     record_transfer_plan(run_dir, rt.sync)
@@ -101,8 +103,9 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         if cfg.teachers:  # teachers score each group as it completes, inside the producers' tasks
+            groups, rt.teacher_engines = rt.teacher_engines, None  # the manager stops them from here on
             teachers = await start_teachers(cfg, teacher_dirs, str(base), rt.shm_prefix, rt.trainers, timeline,
-                                            rt.placement)
+                                            rt.placement, groups)
             for name, t in teachers.teachers.items():  # their engines are watched and restarted too
                 supervisor.add(Fleet(f"teacher-{name}", t.router,
                                      functools.partial(replace_teacher_engine, cfg, teachers, rt.trainers, name)))

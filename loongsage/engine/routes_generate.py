@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 import uuid
 from typing import Any
@@ -16,7 +15,7 @@ from fastapi.responses import StreamingResponse
 from loongsage.engine import schema as S
 from loongsage.engine.core import EngineCore
 from loongsage.engine.sequence import SeqRequest, SeqSnapshot
-from loongsage.wire import ClientGone, body_of, error, json_response, openapi_body, unless_client_leaves
+from loongsage.wire import ClientGone, body_of, dumps, error, json_response, openapi_body, unless_client_leaves
 
 
 def generation_routes(core: EngineCore) -> APIRouter:
@@ -60,7 +59,7 @@ def generation_routes(core: EngineCore) -> APIRouter:
                         if len(seqs) > 1:
                             out["index"] = index[snap.rid]
                         done += snap.finish is not None
-                        yield f"data: {json.dumps(out)}\n\n"
+                        yield b"data: " + dumps(out) + b"\n\n"
                     yield "data: [DONE]\n\n"
                 finally:
                     if done < len(seqs):

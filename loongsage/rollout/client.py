@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import orjson
 
 from loongsage.rollout import protocol as P
 
@@ -58,14 +59,16 @@ class EngineClient:
         return await self._request("POST", path, body or {})
 
     async def _result(self, r: aiohttp.ClientResponse) -> Any:
-        text = await r.text()
+        body = await r.read()
         if r.status >= 400:
+            text = body.decode(errors="replace")
             try:
                 msg = json.loads(text).get("error", {}).get("message", text)
             except (ValueError, AttributeError):
                 msg = text
             raise EngineError(r.status, msg, str(r.url))
-        return json.loads(text) if "json" in r.headers.get("content-type", "") else text
+        # orjson: a teacher's full-vocabulary logprobs parse ~5x faster than with the json module
+        return orjson.loads(body) if "json" in r.headers.get("content-type", "") else body.decode(errors="replace")
 
     # ---- generation ----------------------------------------------------------------------
     async def generate_raw(self, body: dict) -> Any:
@@ -92,7 +95,7 @@ class EngineClient:
                 data = line[len("data: "):]
                 if data == "[DONE]":
                     return
-                yield json.loads(data)
+                yield orjson.loads(data)
 
     # ---- control -------------------------------------------------------------------------
     async def health(self) -> bool:

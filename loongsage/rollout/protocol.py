@@ -20,7 +20,7 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int
     weight_version: int
-    input_top: list[list[tuple[float, int]] | None] | None = None  # per input position: top (logprob, id)
+    input_top: list[list[list] | None] | None = None  # per input position: its top [logprob, id, text] as sent
     resumed: int = 0  # times the router continued it after a system abort (rollout/resume.py)
 
     @property
@@ -41,7 +41,7 @@ def build_generate(
     input_ids: list[int] | list[list[int]],
     sampling_params: dict[str, Any] | None = None,
     return_logprob: bool = True,
-    logprob_start_len: int = -1,
+    logprob_start_len: int | list[int] = -1,
     top_logprobs_num: int = 0,
     rid: str | list[str] | None = None,
     stream: bool = False,
@@ -76,7 +76,7 @@ def parse_generate(obj: dict[str, Any]) -> GenerateOutput:
         prompt_tokens=int(meta.get("prompt_tokens", 0)),
         cached_tokens=int(meta.get("cached_tokens", 0)),
         weight_version=parse_version(meta.get("weight_version")),
-        input_top=None if in_top is None else [None if p is None else [(t[0], t[1]) for t in p] for p in in_top],
+        input_top=in_top,  # as sent: a teacher's full-vocabulary top is [tokens x vocabulary] triples
     )
 
 

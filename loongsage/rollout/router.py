@@ -151,6 +151,14 @@ class Router:
             outs = list(await asyncio.gather(*[self._resume(input_ids, sampling_params, o, session, kw) for o in outs]))
         return outs
 
+    async def generate_batch(self, batch: list[list[int]], sampling_params: dict, rid: str | None = None,
+                             **kw) -> list[P.GenerateOutput]:
+        """Several prompts in one call (SGLang's batch form; per-prompt values such as
+        `logprob_start_len` may be lists), one output per prompt and sample, sent again like one
+        prompt when an engine fails it. Aborted outputs are not continued: this is for prefill-only
+        scoring (a teacher's group in one request instead of one per sample)."""
+        return await self._generate_once(batch, sampling_params, None, rid, **kw)
+
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
                               rid: str | None = None, **kw) -> AsyncIterator[P.GenerateOutput]:
         """One prompt, one sample, as cumulative snapshots while it is generated (the last is final;
@@ -215,7 +223,7 @@ class Router:
         if self.on_engine_failure is not None and system_failure(exc) is not None:
             self.on_engine_failure(idx, exc)
 
-    async def _generate_once(self, input_ids: list[int], sampling_params: dict, session: str | None,
+    async def _generate_once(self, input_ids: list[int] | list[list[int]], sampling_params: dict, session: str | None,
                              rid: str | None, **kw) -> list[P.GenerateOutput]:
         """One call, sent again (a new attempt id, another engine while one is up) when an engine fails it."""
         base, avoid, attempt = rid or self._new_rid(session), set(), 0
@@ -225,7 +233,8 @@ class Router:
             await self._may_send()
             idx, rid = self._begin(session, base if attempt == 0 else f"{base}.{attempt}", frozenset(avoid))
             try:
-                res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, rid=rid, **kw))
+                rids = [f"{rid}/{i}" for i in range(len(input_ids))] if input_ids and isinstance(input_ids[0], list) else rid
+                res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, rid=rids, **kw))
                 break
             except Exception as exc:
                 self._report(idx, exc)

@@ -31,11 +31,9 @@ def check_tokenizer(student_dir: str, teacher_dir: str, name: str) -> None:
                            "a teacher must score the student's exact token ids")
 
 
-async def start_teachers(cfg, dirs: list[str], student_dir: str, shm_prefix: str, trainers=None,
-                         timeline=None, placement=None) -> TeacherManager:
+async def launch_teacher_engines(cfg, dirs: list[str], shm_prefix: str, placement=None) -> list[EngineGroup]:
     """Engines for every teacher of `cfg.teachers` (Ray must be up; in their bundles of the run's
-    `placement` when it has them), their manager, and the weight route to teachers that follow the
-    student (from `trainers`)."""
+    `placement` when it has them), all started at once; none left running if one fails."""
     groups = await asyncio.gather(*[asyncio.to_thread(
         EngineGroup, d, t.engine, RolloutConfig(engine=t.kind, num_engines=t.num_engines, engine_threads=t.engine_threads,
                                                 engine_resources=t.resources),
@@ -47,14 +45,32 @@ async def start_teachers(cfg, dirs: list[str], student_dir: str, shm_prefix: str
             if not isinstance(g, BaseException):
                 g.shutdown()
         raise failed[0]
+    return list(groups)
+
+
+async def start_teachers(cfg, dirs: list[str], student_dir: str, shm_prefix: str, trainers=None,
+                         timeline=None, placement=None, groups: list[EngineGroup] | None = None) -> TeacherManager:
+    """The manager of `cfg.teachers` over their engines (`groups`, as `launch_teacher_engines` started
+    them beside the run's own; launched here when not given), and the weight route to teachers that
+    follow the student (from `trainers`)."""
+    if groups is None:
+        groups = await launch_teacher_engines(cfg, dirs, shm_prefix, placement)
     teachers = []
-    for t, d, g in zip(cfg.teachers, dirs, groups):
-        health = cfg.rollout.health
-        router = Router([], clients=[EngineClient(u, g.api_key) for u in g.urls], engine_retries=health.engine_retries,
-                        engine_wait_s=health.engine_wait_s)
-        info = await router.clients[0].model_info()
-        size = info.get("weight_bytes") or sum(f.stat().st_size for f in Path(d).glob("*.safetensors"))
-        teachers.append(Teacher(t, router, int(size), g))
+    try:
+        for t, d, g in zip(cfg.teachers, dirs, groups):
+            health = cfg.rollout.health
+            router = Router([], clients=[EngineClient(u, g.api_key) for u in g.urls],
+                            engine_retries=health.engine_retries, engine_wait_s=health.engine_wait_s)
+            teachers.append(Teacher(t, router, 0, g))
+            info = await router.clients[0].model_info()
+            teachers[-1].weight_bytes = int(info.get("weight_bytes")
+                                            or sum(f.stat().st_size for f in Path(d).glob("*.safetensors")))
+    except BaseException:
+        for t in teachers:
+            await t.router.aclose()
+        for g in groups:
+            g.shutdown()
+        raise
     budget = None if cfg.teacher_memory_mb is None else cfg.teacher_memory_mb * 2**20
     opd = cfg.algo.loss.distill
     top_k = {"full": _vocab_size(student_dir), "topk": opd.top_k, None: 0}[opd.needs_top]

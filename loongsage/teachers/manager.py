@@ -2,8 +2,10 @@
 the async pipeline, keeping at most a byte budget of teacher weights resident.
 
     producer task (a group finished) ─► score(group, {teacher: weight}) ─► per-teacher queue
-    scheduler task: resident teachers' queues are sent at once (each sample one prefill request:
-        the student's exact ids, max_new_tokens 0, logprobs from the response on, top-k when needed);
+    scheduler task: resident teachers' queues are sent at once, groups batched into prefill requests
+        of up to BATCH_SAMPLES (at most REQUESTS_PER_ENGINE in flight per engine, so groups that
+        complete meanwhile go together); each sample the student's exact ids, max_new_tokens 0,
+        logprobs from the response on, top-k when needed;
         a teacher that is not resident waits until idle residents can be released
         (/release_memory_occupation) to make room, then is resumed (/resume_memory_occupation) and
         its whole queue is sent: requests are batched per teacher, the resident one served first, so
@@ -22,11 +24,17 @@ import time
 from dataclasses import dataclass, field
 
 from loongsage.rollout import protocol as P
+from loongsage.rollout.client import EngineError
 from loongsage.rollout.router import Router
 from loongsage.sample import Group, Sample, TeacherScores
 from loongsage.teachers.config import TeacherConfig
 
 log = logging.getLogger("loongsage.teachers")
+
+BATCH_SAMPLES = 64  # samples in one scoring request at most (a group is never split)
+REQUESTS_PER_ENGINE = 2  # scoring requests in flight per teacher engine: groups that complete meanwhile
+#   queue and go together in the next request (one sample a group, n = 1, would otherwise be one
+#   request each: the HTTP work of 256 requests a step cost as much as the teacher's forwards)
 
 
 @dataclass
@@ -36,7 +44,8 @@ class Teacher:
     weight_bytes: int
     engines: object = None  # the EngineGroup (Ray actors) serving it
     resident: bool = True
-    inflight: int = 0
+    inflight: int = 0  # jobs sent and not answered
+    requests: int = 0  # batched scoring requests in flight
     last_used: float = 0.0
     queue: list = field(default_factory=list)  # (samples, weight, future, time queued)
 
@@ -128,14 +137,17 @@ class TeacherManager:
 
     async def _schedule(self) -> None:
         """Teachers with queued work in the order of their oldest job: a resident one gets its whole
-        queue at once; one that is not resident is brought in when idle residents can make room, and
-        until then no younger work is sent to the residents (they drain, so the swap comes)."""
+        queue at once (in requests of up to BATCH_SAMPLES samples) unless REQUESTS_PER_ENGINE are
+        already in flight on each of its engines (the queue then waits for one to finish); one that
+        is not resident is brought in when idle residents can make room, and until then no younger
+        work is sent to the residents (they drain, so the swap comes)."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             for t in sorted((t for t in self.teachers.values() if t.queue), key=lambda t: t.queue[0][3]):
                 if t.resident:
-                    self._dispatch(t)
+                    if t.requests < REQUESTS_PER_ENGINE * len(t.router.clients):
+                        self._dispatch(t)
                 elif await self._make_room(t):
                     self._dispatch(t)
                 else:
@@ -182,37 +194,57 @@ class TeacherManager:
 
     def _dispatch(self, t: Teacher) -> None:
         jobs, t.queue = t.queue, []
+        chunk: list = []
+        for job in jobs:
+            if chunk and sum(len(j[0]) for j in chunk) + len(job[0]) > BATCH_SAMPLES:
+                self._send(t, chunk)
+                chunk = []
+            chunk.append(job)
+        self._send(t, chunk)
+
+    def _send(self, t: Teacher, jobs: list) -> None:
         t.inflight += len(jobs)
+        t.requests += 1
         self._busy(+1)
         asyncio.create_task(self._run(t, jobs))
 
     async def _run(self, t: Teacher, jobs: list) -> None:
         t0 = time.perf_counter()
         try:
-            results = await asyncio.gather(*[self._score_samples(t, samples, weight) for samples, weight, _, _ in jobs],
-                                           return_exceptions=True)
-            for (_, _, fut, _), res in zip(jobs, results):
-                if fut.done():
-                    continue
-                if isinstance(res, BaseException):
-                    fut.set_exception(res)
-                else:
-                    fut.set_result(None)
+            try:
+                await self._score_samples(t, [(s, w) for samples, w, _, _ in jobs for s in samples])
+                results: list = [None] * len(jobs)
+            except EngineError as exc:
+                if len(jobs) == 1 or exc.status >= 500:
+                    raise
+                # a request error (e.g. one sequence longer than the teacher's context) fails its own group only
+                results = await asyncio.gather(*[self._score_samples(t, [(s, w) for s in samples])
+                                                 for samples, w, _, _ in jobs], return_exceptions=True)
+        except Exception as exc:
+            results = [exc] * len(jobs)
         finally:
             t.inflight -= len(jobs)
+            t.requests -= 1
             t.last_used = time.perf_counter()
             self._busy(-1)
             if self.timeline is not None:
                 self.timeline.add(f"teacher: {t.name}", f"score {len(jobs)}", t0, time.perf_counter())
             self._wake.set()
+        for (_, _, fut, _), res in zip(jobs, results):
+            if not fut.done():
+                fut.set_exception(res) if isinstance(res, BaseException) else fut.set_result(None)
 
-    async def _score_samples(self, t: Teacher, samples: list[Sample], weight: float) -> None:
-        scored = [scored_length(s) for s in samples]
-        outs = await asyncio.gather(*[t.router.generate(
-            s.prompt_ids + s.response_ids[:n], {"max_new_tokens": 0, "temperature": 1.0}, return_logprob=True,
-            logprob_start_len=len(s.prompt_ids), top_logprobs_num=self.top_k) for s, n in zip(samples, scored)])
-        for s, n, out in zip(samples, scored, outs):
-            s.teacher[t.name] = pad_scores(teacher_scores(out[0], n, self.top_k, weight), len(s.response_ids))
+    async def _score_samples(self, t: Teacher, samples: list[tuple[Sample, float]]) -> None:
+        """(sample, its teacher weight) pairs scored in one batched request."""
+        scored = [scored_length(s) for s, _ in samples]
+        outs = await t.router.generate_batch(
+            [s.prompt_ids + s.response_ids[:n] for (s, _), n in zip(samples, scored)],
+            {"max_new_tokens": 0, "temperature": 1.0}, return_logprob=True,
+            logprob_start_len=[len(s.prompt_ids) for s, _ in samples], top_logprobs_num=self.top_k)
+        if len(outs) != len(samples):
+            raise RuntimeError(f"teacher {t.name!r} answered {len(outs)} outputs for {len(samples)} samples")
+        for (s, weight), n, out in zip(samples, scored, outs):
+            s.teacher[t.name] = pad_scores(teacher_scores(out, n, self.top_k, weight), len(s.response_ids))
 
     def _busy(self, delta: int) -> None:
         now = time.perf_counter()
@@ -262,6 +294,6 @@ def teacher_scores(out: P.GenerateOutput, n: int, top_k: int, weight: float) -> 
         tops = out.input_top or []
         if len(tops) != n or any(p is None or len(p) < top_k for p in tops):
             raise RuntimeError(f"teacher returned no top-{top_k} logprobs for some of the {n} response tokens")
-        top_lps = [[float(lp) for lp, _ in p[:top_k]] for p in tops]
-        top_ids = [[int(i) for _, i in p[:top_k]] for p in tops]
-    return TeacherScores([float(v) for v in lps], top_ids, top_lps, weight)
+        top_lps = [[t[0] for t in p[:top_k]] for p in tops]  # one value a comprehension: ~7x faster than pairs
+        top_ids = [[t[1] for t in p[:top_k]] for p in tops]
+    return TeacherScores(lps, top_ids, top_lps, weight)

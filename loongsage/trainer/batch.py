@@ -142,13 +142,14 @@ def version_lags(versions: list[int], trained_version: int) -> list[int]:
 
 
 def _teacher_tensors(batch: TrainBatch, samples: list[Sample], teachers: list[str], top_k: int) -> None:
+    """Filled as numpy arrays, one tensor each at the end: torch.tensor of a nested list costs ~8x
+    numpy's conversion, and full-vocabulary scores are [tokens x vocabulary] numbers a step."""
     B, T = batch.loss_mask.shape
     M = len(teachers)
-    batch.teacher_logprobs = torch.zeros((B, T, M))
-    batch.teacher_weights = torch.zeros((B, M))
+    logprobs, weights = np.zeros((B, T, M), dtype=np.float32), np.zeros((B, M), dtype=np.float32)
     if top_k:
-        batch.teacher_top_ids = torch.zeros((B, T, M, top_k), dtype=torch.long)
-        batch.teacher_top_logprobs = torch.full((B, T, M, top_k), -1e4)  # padding positions: no mass
+        top_ids = np.zeros((B, T, M, top_k), dtype=np.int64)
+        top_lps = np.full((B, T, M, top_k), -1e4, dtype=np.float32)  # padding positions: no mass
     for i, s in enumerate(samples):
         lo = len(s.prompt_ids) - 1
         hi = lo + len(s.response_ids)
@@ -158,11 +159,13 @@ def _teacher_tensors(batch: TrainBatch, samples: list[Sample], teachers: list[st
                 continue
             if len(scores.logprobs) != len(s.response_ids):
                 raise ValueError(f"teacher {name!r} scored {len(scores.logprobs)} of {len(s.response_ids)} tokens")
-            batch.teacher_weights[i, m] = scores.weight
-            batch.teacher_logprobs[i, lo:hi, m] = torch.tensor(scores.logprobs, dtype=torch.float32)
+            weights[i, m] = scores.weight
+            logprobs[i, lo:hi, m] = scores.logprobs
             if top_k:
                 if scores.top_ids is None or any(len(t) < top_k for t in scores.top_ids):
                     raise ValueError(f"teacher {name!r} returned fewer than top_k={top_k} tokens per position")
-                batch.teacher_top_ids[i, lo:hi, m] = torch.tensor([t[:top_k] for t in scores.top_ids])
-                batch.teacher_top_logprobs[i, lo:hi, m] = torch.tensor([t[:top_k] for t in scores.top_logprobs],
-                                                                       dtype=torch.float32)
+                top_ids[i, lo:hi, m] = [t[:top_k] for t in scores.top_ids]
+                top_lps[i, lo:hi, m] = [t[:top_k] for t in scores.top_logprobs]
+    batch.teacher_logprobs, batch.teacher_weights = torch.from_numpy(logprobs), torch.from_numpy(weights)
+    if top_k:
+        batch.teacher_top_ids, batch.teacher_top_logprobs = torch.from_numpy(top_ids), torch.from_numpy(top_lps)
