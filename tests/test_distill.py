@@ -205,27 +205,27 @@ class CountingRouter(Router):
 
 
 def test_groups_queued_together_are_one_request_and_a_bad_group_fails_alone(engine_b, tiny_model_b):
-    """Single-sample groups (n = 1) that complete together are scored in one request, not one each;
-    a group the engine refuses (longer than the teacher's 256-token context) fails alone: the
-    others in its request are scored all the same."""
+    """Single-sample groups (n = 1) that complete together are scored together, in requests of at
+    most BATCH_SAMPLES (64) samples, not one request each; a group the engine refuses (longer than
+    the teacher's 256-token context) fails alone: the others in its request are scored all the same."""
     router = CountingRouter([engine_b.url])
     router.calls = []
     mgr = TeacherManager([Teacher(TeacherConfig(name="b", model=tiny_model_b), router, 1)], None, top_k=2)
-    good = [Sample([10 + i, 11], [20, 21 + i], [1, 1], [0.0] * 2, [0] * 2) for i in range(12)]
+    good = [Sample([10 + i % 40, 11], [20, 21 + i % 50], [1, 1], [0.0] * 2, [0] * 2) for i in range(74)]
     bad = Sample([10] * 250, [20] * 10, [1] * 10, [0.0] * 10, [0] * 10)
 
     async def go():
         await mgr.start()
         try:
-            first = await asyncio.gather(*[mgr.score_group(Group([s], [0.0]), {"b": 1.0}) for s in good[:8]])
+            first = await asyncio.gather(*[mgr.score_group(Group([s], [0.0]), {"b": 1.0}) for s in good[:70]])
             calls = list(router.calls)
-            mixed = await asyncio.gather(*[mgr.score_group(Group([s], [0.0]), {"b": 1.0}) for s in [*good[8:], bad]],
+            mixed = await asyncio.gather(*[mgr.score_group(Group([s], [0.0]), {"b": 1.0}) for s in [*good[70:], bad]],
                                          return_exceptions=True)
             return first, calls, mixed
         finally:
             await mgr.close()
     first, calls, mixed = run(go())
-    assert calls == [8]  # eight groups, one request
+    assert calls == [64, 6]  # seventy groups, two requests
     assert all(r is None for r in mixed[:-1]) and isinstance(mixed[-1], EngineError)
     assert "context" in str(mixed[-1])
     for s in good:

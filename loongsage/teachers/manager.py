@@ -194,12 +194,13 @@ class TeacherManager:
 
     def _dispatch(self, t: Teacher) -> None:
         jobs, t.queue = t.queue, []
-        chunk: list = []
+        chunk, size = [], 0
         for job in jobs:
-            if chunk and sum(len(j[0]) for j in chunk) + len(job[0]) > BATCH_SAMPLES:
+            if chunk and size + len(job[0]) > BATCH_SAMPLES:
                 self._send(t, chunk)
-                chunk = []
+                chunk, size = [], 0
             chunk.append(job)
+            size += len(job[0])
         self._send(t, chunk)
 
     def _send(self, t: Teacher, jobs: list) -> None:
