@@ -29,6 +29,9 @@ class TrainerConfig(BaseModel):
         "decay); default: every step after the warm-up"))
     max_grad_norm: float = Field(1.0, ge=0, description="0 disables clipping")
     micro_batch_size: int = Field(64, ge=1)
+    shared_prefix: int = Field(16, ge=0, description=(
+        "fsdp, one unsharded rank: rows of a micro-batch that begin with at least this many identical tokens "
+        "(a system prompt, a group's prompt) run them once, not once per row (0: off)"))
     bf16: bool = False
     threads: int = Field(1, ge=1, description="torch threads per rank")
     device: str = "cpu"

@@ -27,6 +27,7 @@ from loongsage.algo.config import LossConfig
 from loongsage.models.hf_folder import write_hf_folder
 from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
+from loongsage.trainer.shared_prefix import shared_prefix_scores
 from loongsage.trainer.step import MetricSums, TokenScores, lr_factor, micro_batch_loss, score_tokens, wants_entropy
 
 
@@ -40,7 +41,8 @@ class FSDPBackend:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         model.to(self.device)
-        if self.world > 1 or cfg.bf16:
+        self.sharded = self.world > 1 or cfg.bf16
+        if self.sharded:
             # One fp32 rank has nothing to shard, gather or cast: the hooks would only cost time
             # (~25% of a small model's step on one CPU thread); the rest of this class takes both.
             mesh = init_device_mesh(self.device.type, (self.world,))
@@ -57,6 +59,12 @@ class FSDPBackend:
 
     # ---- forward ----------------------------------------------------------------------------
     def _forward(self, mb: TrainBatch, with_entropy: bool, with_teacher: bool = False) -> TokenScores:
+        # Shared prefixes call the model several times per micro-batch, a count that depends on the
+        # rows: sharded ranks must make the same calls (FSDP collectives), so only the plain module.
+        if self.cfg.shared_prefix and not self.sharded:
+            scores = shared_prefix_scores(self.model, mb, self.device, with_entropy, with_teacher, self.cfg.shared_prefix)
+            if scores is not None:
+                return scores
         ids = mb.input_ids.to(self.device)
         out = self.model(input_ids=ids, attention_mask=mb.attention_mask.to(self.device), use_cache=False)
         return score_tokens(out.logits[:, :-1], ids[:, 1:], with_entropy, mb.teacher_top_ids if with_teacher else None,
@@ -80,12 +88,15 @@ class FSDPBackend:
                    last: bool = True) -> dict[str, float]:
         self.model.train()
         sums = MetricSums()
+        spared = positions = 0
         for _, mb in batch.micro_batches(self.cfg.micro_batch_size):
             scores = self._forward(mb, wants_entropy(loss, loss_cfg), with_teacher=True)
             value, metrics = micro_batch_loss(scores, mb, loss, loss_cfg, denominator)
             # FSDP averages gradients over ranks; the global denominator already normalises.
             (value * self.world).backward()
             sums.add(metrics, float(mb.loss_mask.sum()))
+            spared += scores.spared_positions
+            positions += int(mb.attention_mask.sum())
         grad_norm = 0.0
         if self.cfg.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
@@ -94,7 +105,8 @@ class FSDPBackend:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self._end_step() if last else self.scheduler.get_last_lr()[0]
         out = sums.result()
-        out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": float(batch.loss_mask.sum())})
+        out.update({"train/grad_norm": grad_norm, "train/lr": lr, "train/tokens": float(batch.loss_mask.sum()),
+                    "train/shared_prefix_frac": spared / max(positions, 1)})
         return out
 
     def skip_step(self) -> dict[str, float]:

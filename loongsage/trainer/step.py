@@ -42,6 +42,7 @@ class TokenScores:
     logprobs: torch.Tensor  # [B, T]
     entropy: torch.Tensor | None = None  # [B, T]
     at_teacher_top: torch.Tensor | None = None  # [B, T, M, K]
+    spared_positions: int = 0  # positions a shared prefix ran once for several rows (trainer/shared_prefix.py)
 
 
 def score_tokens(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool,
