@@ -8,7 +8,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-TRACKS = ["engines: generate", "trainer: train", "weight sync", "controller: wait for batch", "eval"]
+TRACKS = ["start-up", "engines: generate", "trainer: train", "weight sync", "controller: wait for batch", "eval"]
 
 
 class Timeline:

@@ -20,6 +20,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -105,17 +106,54 @@ def ray_node(args: list[str], env: dict, log: Path, ns: str | None = None) -> su
     return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for_nodes(address: str, env: dict, want: int, timeout_s: float = 120.0) -> int:
+def wait_for_nodes(address: str, env: dict, want: int, procs: list[subprocess.Popen], logs: list[Path],
+                   timeout_s: float = 120.0) -> int:
+    """Waits until `want` nodes are up at `address`; a `ray start` of `procs` that exits meanwhile is
+    an error with its log's tail."""
     deadline = time.time() + timeout_s
     alive = 0
     while time.time() < deadline:
+        for proc, log in zip(procs, logs):
+            if proc.poll() is not None:
+                raise NodeFailed(f"ray start exited with {proc.returncode}:\n{log.read_text()[-2000:]}")
         out = subprocess.run([str(BIN / "ray"), "status", "--address", address], env=env, capture_output=True, text=True)
         active = out.stdout.split("Pending:")[0] if "Pending:" in out.stdout else ""
         alive = sum(1 for line in active.splitlines() if line.strip().startswith("1 node_"))
         if alive >= want:
             return alive
         time.sleep(1.0)
-    raise TimeoutError(f"{alive} of {want} Ray nodes came up at {address}")
+    raise NodeFailed(f"{alive} of {want} Ray nodes came up at {address}:\n" +
+                     "\n".join(log.read_text()[-1500:] for log in logs))
+
+
+class NodeFailed(RuntimeError):
+    """A Ray node did not come up."""
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now (the kernel's choice), not a random one that a connection of
+    the machine's may hold."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def start_head(host_ip: str, env: dict, log: Path, nodes: list[subprocess.Popen], attempts: int = 3) -> int:
+    """The Ray head on the host's end of the pair (appended to `nodes`); returns its port. A head
+    that fails to come up (a port taken in between) is ended and started again on another port."""
+    for attempt in range(attempts):
+        port = free_port(host_ip)
+        nodes.append(ray_node(["--head", f"--node-ip-address={host_ip}", f"--port={port}", "--num-cpus=1",
+                               "--include-dashboard=false", '--resources={"node_a": 1}'], env, log))
+        try:
+            wait_for_nodes(f"{host_ip}:{port}", env, 1, nodes[-1:], [log], timeout_s=60)
+            return port
+        except NodeFailed:
+            end_session(nodes.pop())
+            forget_cluster(f"{host_ip}:{port}")
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def main() -> int:
@@ -135,14 +173,11 @@ def main() -> int:
     run = address = None
     try:
         with namespace() as (ns, host_ip, ns_ip):
-            port = random.randint(20000, 40000)
+            port = start_head(host_ip, env, work / "head.log", nodes)
             address = f"{host_ip}:{port}"
-            nodes.append(ray_node(["--head", f"--node-ip-address={host_ip}", f"--port={port}", "--num-cpus=1",
-                                   "--include-dashboard=false", '--resources={"node_a": 1}'], env, work / "head.log"))
-            wait_for_nodes(address, env, 1)
             nodes.append(ray_node([f"--address={address}", f"--node-ip-address={ns_ip}", "--num-cpus=1",
                                    f'--resources={{"node_b": {args.engines}}}'], env, work / "worker.log", ns))
-            alive = wait_for_nodes(address, env, 2)
+            alive = wait_for_nodes(address, env, 2, nodes, [work / "head.log", work / "worker.log"])
             run_dir = work / "run"
             cmd = [str(BIN / "loongsage"), "train", "recipes/arith_grpo.yaml", f"run_dir={run_dir}",
                    f"ray.address={address}", "trainer.resources={node_a: 1}", "rollout.engine_resources={node_b: 1}",

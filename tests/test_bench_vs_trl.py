@@ -51,8 +51,11 @@ def test_opd_vs_rl_distils_purely_from_the_rl_policy_and_times_a_smoothed_reach_
     assert (d.gkd_coef, d.gkd_signal, cfg.train.target_accuracy) == (1.0, "topk_fkl", None)  # runs all its steps
     assert cfg.algo.loss.is_mode == "none" and d.pg_coef == 0.0
     assert cfg.trainer.lr == 3e-4  # 3x the RL run's (measured: 200 steps to the target against 280 at 1e-4)
-    # no group baseline to feed: the RL run's 256 samples a step over 128 prompts, not 32 (2x fewer steps)
-    assert (cfg.sampling.n, cfg.rollout.prompts_per_step) == (2, 128)
+    # no group baseline to feed: the RL run's 256 samples a step over 256 prompts, not 32 (3-4x fewer steps)
+    assert (cfg.sampling.n, cfg.rollout.prompts_per_step) == (1, 256)
+    assert cfg.algo.mini_batches == 2 and not cfg.algo.needs_proximal_pass  # two updates a batch, no extra pass
+    both = bench.common_overrides(20, ["seed=3"])
+    assert load_config("recipes/arith_grpo.yaml", both).rollout.coalesce_prompts == 64 and both[-1] == "seed=3"
     pg = bench.opd_config("recipes/arith_grpo.yaml", ["train.steps=10"], str(tmp_path / "pg"), str(tmp_path / "t"),
                           signal="k1", role="pg", coef=0.5, overrides=("trainer.lr=2e-4",))
     assert (pg.algo.loss.distill.pg_coef, pg.algo.loss.distill.pg_signal, pg.algo.loss.distill.gkd_coef) == (0.5, "k1", 0.0)

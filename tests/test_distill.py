@@ -14,7 +14,7 @@ import torch
 
 from helpers import reference_logprobs, run
 from loongsage.algo import distill as D
-from loongsage.algo.config import DistillConfig, LossConfig
+from loongsage.algo.config import AlgoConfig, DistillConfig, LossConfig
 from loongsage.config import ConfigError, load_config
 from loongsage.controller.bootstrap import base_policy_dir, teacher_bootstrap_config
 from loongsage.controller.sources import stratify
@@ -132,6 +132,16 @@ def test_invalid_role_combinations_are_config_errors():
         DistillConfig(gkd_coef=0.5, gkd_signal="k1")  # zero-mean gradient on-policy
     assert DistillConfig(gkd_coef=1.0, gkd_signal="full_jsd").needs_top == "full"
     assert DistillConfig(pg_coef=1.0, pg_signal="topk_kl").needs_top == "topk"
+
+
+def test_pure_distillation_mini_batches_need_no_proximal_pass():
+    """Its loss has no ratio to the pre-update policy; a mixture with RL (or PG shaping) keeps the pass."""
+    def algo(**distill):
+        return AlgoConfig(mini_batches=2, loss=LossConfig(distill=DistillConfig(**distill)))
+    assert not algo(gkd_coef=1.0).needs_proximal_pass
+    assert algo(gkd_coef=0.5).needs_proximal_pass and algo(pg_coef=0.5).needs_proximal_pass
+    assert AlgoConfig(mini_batches=2).needs_proximal_pass and not AlgoConfig().needs_proximal_pass
+    assert AlgoConfig(recompute_proximal=True, loss=LossConfig(distill=DistillConfig(gkd_coef=1.0))).needs_proximal_pass
 
 
 def test_every_mini_batch_of_every_rank_must_get_each_source_in_proportion():

@@ -65,3 +65,6 @@ def test_two_sources_distil_from_their_own_teachers_in_exact_proportions(ray_ses
     timeline = json.loads((tmp_path / "run" / "timeline.json").read_text())
     tracks = {e["args"]["name"] for e in timeline["traceEvents"] if e.get("ph") == "M"}
     assert {"teacher: t_arith", "teacher: t_rev"} <= tracks  # scoring shows on the timeline
+    tid = {e["args"]["name"]: e["tid"] for e in timeline["traceEvents"] if e.get("ph") == "M"}["start-up"]
+    assert [e["name"] for e in timeline["traceEvents"] if e.get("tid") == tid and e.get("ph") == "X"][2:] == [
+        "trainer ranks, engines, teachers' engines", "TransferMesh", "Teacher Manager", "data sources, rollouts"]

@@ -61,6 +61,9 @@ def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, sh
     trace = json.loads((tmp_path / "run" / "timeline.json").read_text())["traceEvents"]
     split = [e for e in trace if e.get("ph") == "C" and e["name"].startswith("engines: time split")]
     assert len(split) == 100 and {"prefill_s", "decode_s", "schedule_s", "http_s"} <= set(split[-1]["args"])
+    tracks = {e["tid"]: e["args"]["name"] for e in trace if e.get("ph") == "M"}
+    startup = [e["name"] for e in trace if e.get("ph") == "X" and tracks[e["tid"]] == "start-up"]  # where it went
+    assert startup == ["Ray", "placement group", "trainer ranks, engines", "TransferMesh", "data sources, rollouts"]
     if backend == "fsdp_colocated":  # every train step ran while the engine had released its memory
         released = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name") == "released"]
         trains = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and e["name"].startswith("train ")]

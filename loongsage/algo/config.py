@@ -100,8 +100,12 @@ class AlgoConfig(BaseModel):
         "run a separate no-grad pass for the proximal logprobs before the update (verl/slime's old_log_prob). "
         "Off: one batch is one optimizer step, so the policy before the update is exactly the one in the "
         "update's own forward pass, whose detached logprobs serve; this saves a forward per step. Always on with "
-        "mini_batches or epochs above 1."))
+        "mini_batches or epochs above 1, except for pure distillation (gkd_coef 1: no ratio to anchor)."))
 
     @property
     def needs_proximal_pass(self) -> bool:
-        return self.recompute_proximal or self.mini_batches > 1 or self.epochs > 1
+        """Pure distillation (gkd_coef 1) has no PPO ratio to anchor: its mini-batches need no pass."""
+        if self.recompute_proximal:
+            return True
+        pure_distillation = self.loss.distill.active and self.loss.distill.gkd_coef == 1.0
+        return not pure_distillation and (self.mini_batches > 1 or self.epochs > 1)

@@ -10,6 +10,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,6 +102,7 @@ class Runtime:
     client: Callable[[str], object] | None = None  # url -> a client of the run's engines
     placement: RunPlacement | None = None  # the run's placement group (its teachers' bundles too)
     teacher_engines: list | None = None  # started beside the rest (`launch_teachers`) until a manager takes them
+    startup: list[tuple[str, float, float]] = dataclasses.field(default_factory=list)  # (phase, start, end), perf_counter
 
     @classmethod
     async def start(cls, model_dir: str, trainer: TrainerConfig, engine: EngineConfig, rollout: RolloutConfig,
@@ -112,7 +114,15 @@ class Runtime:
         reference's weights (default: the same); `placement`: how the actors (and the engines of
         `teachers`) are laid out in the run's placement group; `launch_teachers(shm_prefix, pg)`
         starts the teachers' engines beside the trainers and engines (`Runtime.teacher_engines`)."""
+        phases, t = [], time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal t
+            phases.append((name, t, time.perf_counter()))
+            t = phases[-1][2]
+
         started = init_ray(ray_cfg)
+        phase("Ray")
         trainers = engines = reference = pg = None
         teacher_engines: list = []
         transfer = transfer or TransferConfig()
@@ -128,6 +138,7 @@ class Runtime:
         try:
             pg = await asyncio.to_thread(RunPlacement, layout(placement.mode, trainer, rollout, teachers, with_reference),
                                          placement, f"loongsage-{shm_prefix.removeprefix(SHM_PREFIX).strip('-')}")
+            phase("placement group")
             # Trainer ranks, engines (and the reference) start in parallel: each spends seconds
             # importing torch and loading weights in its own process.
             parts = await asyncio.gather(
@@ -144,9 +155,11 @@ class Runtime:
             failed = [p for p in parts if isinstance(p, BaseException)]
             if failed:
                 raise failed[0]
+            phase("trainer ranks, engines" + (", teachers' engines" if launch_teachers else ""))
             remesh = functools.partial(build_mesh, trainers, engines, trainer, engine, rollout, transfer, disk_dir,
                                        placement.mode == "colocated")
             sync = await remesh()
+            phase("TransferMesh")
             freeze_long_lived()  # the controller's imports and clients: out of the cyclic GC's full passes (heap.py)
         except BaseException:
             for group in (engines, trainers, reference, *teacher_engines):
@@ -161,9 +174,10 @@ class Runtime:
             raise
         client = client_factory(rollout.client, engines.api_key)
         router = Router([], clients=[client(u) for u in engines.urls], abort_retries=rollout.abort_retries,
-                        engine_retries=rollout.health.engine_retries, engine_wait_s=rollout.health.engine_wait_s)
+                        engine_retries=rollout.health.engine_retries, engine_wait_s=rollout.health.engine_wait_s,
+                        coalesce_prompts=rollout.coalesce_prompts)
         return cls(trainers, engines, router, sync, started, reference, temp_dir, shm_prefix, remesh, client, pg,
-                   teacher_engines if launch_teachers else None)
+                   teacher_engines if launch_teachers else None, phases)
 
     def __post_init__(self) -> None:
         self.sync_lock = asyncio.Lock()  # held from a weight update's begin to its end, and by a mesh rebuild

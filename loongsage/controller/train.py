@@ -74,7 +74,8 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     dump_config(cfg, run_dir / "config.yaml")
     base = await ensure_base_policy(cfg, console)
     teacher_dirs = await teacher_models(cfg, str(base), console) if cfg.teachers else []
-    t_start = time.perf_counter()  # wall clock from here includes start-up (Ray, engines), not the bootstraps
+    timeline = Timeline()  # its first track is the start-up
+    t_start = timeline.t0  # wall clock from here includes start-up (Ray, engines), not the bootstraps
     tok = AutoTokenizer.from_pretrained(base)
     remove_crashed_shm(run_dir)
     rt = await Runtime.start(str(ckpt or base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
@@ -83,6 +84,8 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                              launch_teachers=functools.partial(launch_teacher_engines, cfg, teacher_dirs) if cfg.teachers
                              else None)  # teachers' engines start beside the run's own
     start = 0 if state is None else state.step
+    for phase, t0, t1 in rt.startup:
+        timeline.add("start-up", phase, t0, t1)
     record_shm_prefix(run_dir, rt.shm_prefix)
     record_transfer_plan(run_dir, rt.sync)
     if state is not None:
@@ -91,7 +94,6 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                             config=cfg.model_dump(mode="json"))
     ledger = PromptLedger(run_dir / "prompts.jsonl", state.ledger_lines if state else 0,
                           state.settled if state else None)
-    timeline = Timeline()
     teachers = sources = watching = None
     producing: list[asyncio.Task] = []
     main = asyncio.current_task()
@@ -104,14 +106,16 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     try:
         if cfg.teachers:  # teachers score each group as it completes, inside the producers' tasks
             groups, rt.teacher_engines = rt.teacher_engines, None  # the manager stops them from here on
-            teachers = await start_teachers(cfg, teacher_dirs, str(base), rt.shm_prefix, rt.trainers, timeline,
-                                            rt.placement, groups)
+            with timeline.span("start-up", "Teacher Manager"):
+                teachers = await start_teachers(cfg, teacher_dirs, str(base), rt.shm_prefix, rt.trainers, timeline,
+                                                rt.placement, groups)
             for name, t in teachers.teachers.items():  # their engines are watched and restarted too
                 supervisor.add(Fleet(f"teacher-{name}", t.router,
                                      functools.partial(replace_teacher_engine, cfg, teachers, rt.trainers, name)))
         if cfg.train.controller_cpu_affinity and cores is not None:  # after start-up: Ray's processes keep all cores
             os.sched_setaffinity(0, cfg.train.controller_cpu_affinity)
         score = (lambda group, src: teachers.score_group(group, src.teachers)) if teachers else None
+        t_sources = time.perf_counter()
         sources = start_sources(cfg, rt.router, tok, str(base), timeline, after_group=score)
         for src in sources:
             src.producer.ledger = ledger
@@ -122,9 +126,11 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
         summary: dict = {"run_dir": str(run_dir), "base_policy": str(base)}
         for src in sources:
             await src.rollout.start()
+        timeline.add("start-up", "data sources, rollouts", t_sources, time.perf_counter())
         if state is None:
             t_eval = time.perf_counter()
-            first = await evaluate_sources(sources, cfg.train.eval_temperature)
+            with timeline.span("eval", "eval 0"):
+                first = await evaluate_sources(sources, cfg.train.eval_temperature)
             metrics.write({"step": 0, "version": 0, **first, "time/eval_s": time.perf_counter() - t_eval,
                            "time/elapsed_s": time.perf_counter() - t_start})
         else:  # trainer state, engine version, samplers and windows as the checkpoint left them

@@ -78,6 +78,10 @@ class RolloutConfig(BaseModel):
                                   "engine a per-row noise draw (~1 ms per 256-row decode step on CPU)")
     abort_retries: int = Field(2, ge=0, description="times a request the system aborted (not cancelled) is continued "
                                "from its tokens so far; still aborted, its group is masked (samples/aborted_by_system)")
+    coalesce_prompts: int = Field(0, ge=0, description=(
+        "generate calls made together with the same sampling parameters (a burst of groups) go to one engine "
+        "as one batched request of up to this many prompts, not a request each (0: off). Cheaper per sample "
+        "at small sizes; each batch returns when its longest answer is done, so for short, even outputs"))
     health: EngineHealthConfig = Field(default_factory=EngineHealthConfig)
     weight_bucket_mb: float = Field(64.0, gt=0)
     window: WindowStrategyName = Field("staleness", description="staleness: take finished groups as they finish; "

@@ -39,7 +39,7 @@ class GenerateOutput:
 
 def build_generate(
     input_ids: list[int] | list[list[int]],
-    sampling_params: dict[str, Any] | None = None,
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
     return_logprob: bool = True,
     logprob_start_len: int | list[int] = -1,
     top_logprobs_num: int = 0,
@@ -48,7 +48,8 @@ def build_generate(
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "input_ids": input_ids,
-        "sampling_params": dict(sampling_params or {}),
+        "sampling_params": [dict(p) for p in sampling_params] if isinstance(sampling_params, list)
+        else dict(sampling_params or {}),
         "return_logprob": return_logprob,
         "logprob_start_len": logprob_start_len,
         "stream": stream,

@@ -18,6 +18,7 @@ from contextlib import aclosing
 
 from loongsage.rollout import protocol as P
 from loongsage.rollout.client import EngineClient
+from loongsage.rollout.coalesce import Call, RequestCoalescer
 from loongsage.rollout.resume import continuation_params, joined, system_failure
 
 
@@ -28,11 +29,13 @@ class EngineUnavailable(RuntimeError):
 class Router:
     def __init__(self, urls: list[str], max_sessions: int = 100_000, api_key: str | None = None,
                  clients: list[EngineClient] | None = None, abort_retries: int = 2, engine_retries: int = 3,
-                 engine_wait_s: float = 300.0):
+                 engine_wait_s: float = 300.0, coalesce_prompts: int = 0):
         """`clients`: ready-made clients (another InferenceClient implementation) instead of `urls`;
         `abort_retries`: continuations of a request the system aborted (0: return it aborted);
         `engine_retries`: new attempts of a call an engine failed; `engine_wait_s`: how long a call
-        waits for an engine to be up when all are down."""
+        waits for an engine to be up when all are down; `coalesce_prompts`: `generate` calls made
+        together with the same parameters go out as batches of up to this many prompts
+        (`rollout/coalesce.py`; 0: a request each)."""
         self.clients = clients or [EngineClient(u, api_key) for u in urls]
         if not self.clients:
             raise ValueError("router needs at least one engine")
@@ -49,6 +52,7 @@ class Router:
         self.on_engine_failure: Callable[[int, BaseException], None] | None = None
         self.retried = 0  # calls sent again after an engine failed them (samples/retried)
         self._sending: asyncio.Event | None = None  # cleared while held (colocated engines release memory)
+        self.coalescer = RequestCoalescer(self._send_calls, coalesce_prompts) if coalesce_prompts > 1 else None
 
     # ---- engines up and down -------------------------------------------------------------
     def _condition(self) -> asyncio.Condition:
@@ -146,7 +150,10 @@ class Router:
                        rid: str | None = None, **kw) -> list[P.GenerateOutput]:
         """One prompt; returns a list (n samples when sampling_params has n > 1), each continued
         if the system aborted it."""
-        outs = await self._generate_once(input_ids, sampling_params, session, rid, **kw)
+        if self.coalescer is not None:
+            outs = await self.coalescer.generate(input_ids, sampling_params, session, rid or self._new_rid(session), kw)
+        else:
+            outs = await self._generate_once(input_ids, sampling_params, session, rid, **kw)
         if any(self._resumable(o, sampling_params, session) for o in outs):
             outs = list(await asyncio.gather(*[self._resume(input_ids, sampling_params, o, session, kw) for o in outs]))
         return outs
@@ -225,23 +232,44 @@ class Router:
 
     async def _generate_once(self, input_ids: list[int] | list[list[int]], sampling_params: dict, session: str | None,
                              rid: str | None, **kw) -> list[P.GenerateOutput]:
-        """One call, sent again (a new attempt id, another engine while one is up) when an engine fails it."""
-        base, avoid, attempt = rid or self._new_rid(session), set(), 0
+        """One call (one prompt, or a batch under one id: its prompts `<id>/<i>`)."""
+        batch = bool(input_ids) and isinstance(input_ids[0], list)
+        ids = (lambda r: [f"{r[0]}/{i}" for i in range(len(input_ids))]) if batch else (lambda r: r[0])
+        return await self._send(input_ids, sampling_params, [(session, rid or self._new_rid(session))], ids, **kw)
+
+    async def _send_calls(self, calls: list[Call], params: dict, kw: dict) -> list[list[P.GenerateOutput]]:
+        """Coalesced calls as one batch, each prompt under its caller's id and session."""
+        seeded = any("sampling_seed" in c.params for c in calls)
+        outs = await self._send([c.input_ids for c in calls], [c.params for c in calls] if seeded else params,
+                                [(c.session, c.rid) for c in calls], lambda r: r, **kw)
+        n = params.get("n", 1)
+        return [outs[i * n:(i + 1) * n] for i in range(len(calls))]
+
+    async def _send(self, prompts: list[int] | list[list[int]], params: dict | list[dict], callers: list[tuple[str | None, str]],
+                    payload_rid: Callable[[list[str]], str | list[str]], **kw) -> list[P.GenerateOutput]:
+        """One request for `callers` (session, id), each id held in flight on the engine that serves it;
+        sent again (new attempt ids `<id>.<attempt>`, another engine while one is up) when an engine
+        fails it and a caller is still wanted."""
+        avoid, attempt, sessions = set(), 0, [s for s, _ in callers]
         if not any(self.up):
             await self._wait_up()
         while True:
             await self._may_send()
-            idx, rid = self._begin(session, base if attempt == 0 else f"{base}.{attempt}", frozenset(avoid))
+            rids = [r if attempt == 0 else f"{r}.{attempt}" for _, r in callers]
+            idx = self.pick(sessions[0], frozenset(avoid))
+            self.outstanding[idx] += 1
+            self.inflight.update({r: (s, idx) for s, r in zip(sessions, rids)})
             try:
-                rids = [f"{rid}/{i}" for i in range(len(input_ids))] if input_ids and isinstance(input_ids[0], list) else rid
-                res = await self.clients[idx].generate_raw(P.build_generate(input_ids, sampling_params, rid=rids, **kw))
+                res = await self.clients[idx].generate_raw(P.build_generate(prompts, params, rid=payload_rid(rids), **kw))
                 break
             except Exception as exc:
                 self._report(idx, exc)
-                if not self._retryable(exc, attempt, session):
+                if not any(self._retryable(exc, attempt, s) for s in sessions):
                     raise
             finally:
-                self._end(idx, rid)
+                self.outstanding[idx] -= 1
+                for r in rids:
+                    self.inflight.pop(r, None)
             attempt += 1
             avoid.add(idx)
             await self._before_retry(attempt)

@@ -39,6 +39,7 @@ class RolloutSetup:
     extra: dict = field(default_factory=dict)
 
 
+EVAL_BATCH = 64  # held-out rows per request: per-request costs (HTTP, parsing) paid once per 64 rows
 _STATUS = {"length": "truncated", "abort": "aborted"}  # an abort the router could not continue: the system's
 
 
@@ -74,9 +75,15 @@ class SingleTurnRollout:
         """Held-out success: one answer per row (greedy unless a temperature is given), scored by the
         task's verifier."""
         params = {"temperature": temperature, "max_new_tokens": self.max_new_tokens}
-        outs = await asyncio.gather(*[self.router.generate(prompt_ids(self.tok, r), params, return_logprob=False)
-                                      for r in rows])
-        return accuracy_by_tag(rows, [self.spec.reward(o[0].text, r) for r, o in zip(rows, outs)])
+        prompts = [prompt_ids(self.tok, r) for r in rows]
+        parts = await asyncio.gather(*[self.router.generate_batch(prompts[i:i + EVAL_BATCH], params, return_logprob=False)
+                                       for i in range(0, len(prompts), EVAL_BATCH)])
+        outs = [o for part in parts for o in part]
+        again = [i for i, o in enumerate(outs) if o.finish_type == "abort"]  # the system's abort: continued alone
+        for i, o in zip(again, await asyncio.gather(*[self.router.generate(prompts[i], params, return_logprob=False)
+                                                        for i in again])):
+            outs[i] = o[0]
+        return accuracy_by_tag(rows, [self.spec.reward(o.text, r) for r, o in zip(rows, outs)])
 
 
 def accuracy_by_tag(rows: list[TaskRow], scores: list[float]) -> dict[str, float]:

@@ -34,13 +34,19 @@ def prefix_groups(mb: TrainBatch, min_prefix: int) -> list[PrefixGroup]:
     is their longest common one, capped so that every row keeps a token of its own and no trained
     column falls inside it. All other rows form one plain group."""
     ids = mb.input_ids
-    lengths = mb.attention_mask.sum(dim=1).tolist()
+    lengths_t = mb.attention_mask.sum(dim=1)
     trained = mb.loss_mask > 0
-    first_trained = [int(r.nonzero()[0]) if r.any() else n - 1 for r, n in zip(trained, lengths)]
+    # the first trained column of each row (a row with none: its last)
+    first_t = torch.where(trained.any(dim=1), trained.int().argmax(dim=1), lengths_t - 1)
+    eligible = (lengths_t > min_prefix) & (first_t + 1 >= min_prefix)
+    lengths = lengths_t.tolist()
+    if int(eligible.sum()) < 2:  # e.g. short prompts: nothing can share min_prefix tokens
+        return [PrefixGroup(list(range(len(lengths))), 0, max(lengths))]
+    first_trained, ok = first_t.tolist(), eligible.tolist()
+    heads = ids[:, :min_prefix].tolist()
     keyed: dict[tuple, list[int]] = {}
-    for row, n in enumerate(lengths):
-        key = tuple(ids[row, :min_prefix].tolist()) if n > min_prefix else ("plain", row)
-        keyed.setdefault(key, []).append(row)
+    for row in range(len(lengths)):
+        keyed.setdefault(tuple(heads[row]) if ok[row] else ("plain", row), []).append(row)
     groups, plain = [], []
     for rows in keyed.values():
         prefix = _common_prefix(ids, rows, min(lengths[r] for r in rows) - 1,
