@@ -306,7 +306,11 @@ def test_a_released_teacher_is_resumed_on_demand_and_scores_identically(engine, 
     for name, scores in rounds:
         by.setdefault(name, []).append(scores)
     for name, (first, again) in by.items():
-        assert first.logprobs == again.logprobs and first.top_logprobs == again.top_logprobs, name
+        # the same weights; the first pass may reuse K/V other tests left in the engine's prefix cache
+        # (a resumed engine starts with an empty one), which moves logprobs by ~1e-6, not more
+        assert first.logprobs == pytest.approx(again.logprobs, abs=1e-5) and first.top_ids == again.top_ids, name
+        for a, b in zip(first.top_logprobs, again.top_logprobs):
+            assert a == pytest.approx(b, abs=1e-5), name
     assert metrics["teacher/swaps"] >= 3 and metrics["teacher/peak_resident_bytes"] <= size
     assert sum(not i["memory_released"] for i in info) == 1  # one of the two engines holds its weights
 

@@ -124,19 +124,23 @@ async def _when_step(run: Path, step: int, task: asyncio.Task) -> None:
 @pytest.mark.slow
 def test_a_run_outlives_its_engine_failing_then_killed_then_hung(ray_session, tmp_path, arith_caches):
     from loongsage.config import load_config
+    from loongsage.controller.bootstrap import ensure_base_policy
     from loongsage.controller.ledger import read_ledger
     from loongsage.controller.train import train
     from loongsage.metrics import read_metrics
 
     run = tmp_path / "run"
     shm_before = set(os.listdir("/dev/shm"))
-    cfg = load_config("recipes/arith_grpo.yaml", EASY + arith_caches[0] + [
+    clean = EASY + arith_caches[0] + [
         f"run_dir={run}", "rollout.max_staleness=1", "train.steps=10", "train.eval_every=10",
-        "rollout.health.check_every_s=0.5", "rollout.health.timeout_s=5", "rollout.health.failures=2",
-        "engine.inject_errors=40:60"])  # requests 41..100 answered with HTTP 500
+        "rollout.health.check_every_s=0.5", "rollout.health.timeout_s=5", "rollout.health.failures=2"]
+    cfg = load_config("recipes/arith_grpo.yaml", clean + ["engine.inject_errors=40:60"])  # requests 41..100: HTTP 500
     faults = []
 
     async def main():
+        # the session's cached bootstrap, built without the faults when this test is the first to need it
+        # (its dev evaluations are a few batched requests: 60 failures in a row would exhaust their retries)
+        await ensure_base_policy(load_config("recipes/arith_grpo.yaml", clean))
         task = asyncio.create_task(train(cfg))
         await _when_step(run, 3, task)
         prefix = (run / "shm_prefix").read_text()
