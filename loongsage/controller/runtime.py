@@ -29,7 +29,7 @@ from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.group import TrainerGroup
 from loongsage.transfer.config import TransferConfig
 from loongsage.transfer.mesh import WeightMesh, discover
-from loongsage.transfer.tensor_handles import SHM_PREFIX
+from loongsage.transfer.shm_names import SHM_PREFIX
 from loongsage.transfer.topology import plan
 
 SHM_RECORD = "shm_prefix"  # RUN_DIR file naming the run's /dev/shm prefix while it runs

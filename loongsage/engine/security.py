@@ -12,7 +12,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from loongsage.transfer.tensor_handles import SHM_PREFIX
+from loongsage.transfer.shm_names import SHM_PREFIX
 
 API_KEY_ENV = "LOONGSAGE_ENGINE_API_KEY"  # how a run hands an engine its key (not on the command line)
 

@@ -11,7 +11,7 @@ import ray
 from loongsage.cluster.actors import stop_actors
 from loongsage.engine.config import EngineConfig
 from loongsage.rollout.config import RolloutConfig
-from loongsage.transfer.tensor_handles import SHM_PREFIX
+from loongsage.transfer.shm_names import SHM_PREFIX
 
 
 class EngineActor:

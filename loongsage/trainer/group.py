@@ -13,7 +13,7 @@ from loongsage.trainer.batch import TrainBatch
 from loongsage.trainer.config import TrainerConfig
 from loongsage.trainer.step import combine_metrics
 from loongsage.trainer.worker import TrainerRank
-from loongsage.transfer.tensor_handles import SHM_PREFIX
+from loongsage.transfer.shm_names import SHM_PREFIX
 
 
 class TrainerGroup:

@@ -23,7 +23,8 @@ import torch
 import torch.multiprocessing as tmp
 import torch.multiprocessing.reductions
 
-SHM_PREFIX = "loongsage-"  # every shared buffer's /dev/shm name starts with this (a run adds its id)
+from loongsage.transfer.shm_names import SHM_PREFIX
+
 _SHM_NAME = re.compile(r"/[A-Za-z0-9_.-]+")
 _ALLOWED = {
     ("torch.multiprocessing.reductions", "rebuild_tensor"),
