@@ -124,6 +124,22 @@ def test_a_system_abort_is_continued_and_each_token_keeps_its_version(engine, cl
     assert (short.output_versions is None) == (client is StockSGLangView)  # the view drops them indeed
 
 
+def test_a_batched_call_continues_each_aborted_prompt_alone(engine):
+    """`generate_batch` (an evaluation's rows, a teacher's group in one request): outputs the system
+    aborted mid-generation are continued one prompt each, as `generate` continues one, from their
+    tokens (the engine's work is the two outputs' own)."""
+    second = [21, 22, 23]
+    try:
+        outs, work = _interrupted(engine.url, lambda r: r.generate_batch([PROMPT, second], LONG, return_logprob=True),
+                                  lambda c, r: c.update_weight_version(7, abort_all_requests=True))
+    finally:
+        asyncio.run(_with_client(engine.url, lambda c: c.update_weight_version(0)))
+    assert [o.finish_type for o in outs] == ["length", "length"] and [o.resumed for o in outs] == [1, 1]
+    assert [len(o.output_ids) for o in outs] == [200, 200] and [o.prompt_tokens for o in outs] == [4, 3]
+    assert all(o.versions[0] == 0 and o.versions[-1] == 7 for o in outs)
+    assert work == 400
+
+
 def test_a_cancelled_request_is_not_continued(engine):
     async def cancel(control, router):
         assert await router.abort_where(lambda s: s == "g3-r0") == 1

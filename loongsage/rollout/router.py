@@ -161,10 +161,20 @@ class Router:
     async def generate_batch(self, batch: list[list[int]], sampling_params: dict, rid: str | None = None,
                              **kw) -> list[P.GenerateOutput]:
         """Several prompts in one call (SGLang's batch form; per-prompt values such as
-        `logprob_start_len` may be lists), one output per prompt and sample, sent again like one
-        prompt when an engine fails it. Aborted outputs are not continued: this is for prefill-only
-        scoring (a teacher's group in one request instead of one per sample)."""
-        return await self._generate_once(batch, sampling_params, None, rid, **kw)
+        `logprob_start_len` may be lists), one output per prompt and sample (a prompt's samples
+        together), sent again like one prompt when an engine fails it. An output the system aborted
+        is continued alone, as `generate` continues one (a prefill-only scoring has nothing to
+        continue): a teacher's group or an evaluation's rows in one request instead of one each."""
+        outs = await self._generate_once(batch, sampling_params, None, rid, **kw)
+        again = [i for i, o in enumerate(outs) if self._resumable(o, sampling_params, None)]
+        if again:
+            n = len(outs) // len(batch)
+            done = await asyncio.gather(*[self._resume(batch[i // n], sampling_params, outs[i], None,
+                                                       {k: v[i // n] if isinstance(v, list) else v for k, v in kw.items()})
+                                          for i in again])  # a per-prompt value (a list): this prompt's
+            for i, out in zip(again, done):
+                outs[i] = out
+        return outs
 
     async def generate_stream(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
                               rid: str | None = None, **kw) -> AsyncIterator[P.GenerateOutput]:

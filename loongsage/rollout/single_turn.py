@@ -79,10 +79,6 @@ class SingleTurnRollout:
         parts = await asyncio.gather(*[self.router.generate_batch(prompts[i:i + EVAL_BATCH], params, return_logprob=False)
                                        for i in range(0, len(prompts), EVAL_BATCH)])
         outs = [o for part in parts for o in part]
-        again = [i for i, o in enumerate(outs) if o.finish_type == "abort"]  # the system's abort: continued alone
-        for i, o in zip(again, await asyncio.gather(*[self.router.generate(prompts[i], params, return_logprob=False)
-                                                        for i in again])):
-            outs[i] = o[0]
         return accuracy_by_tag(rows, [self.spec.reward(o.text, r) for r, o in zip(rows, outs)])
 
 
