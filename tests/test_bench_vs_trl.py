@@ -27,6 +27,7 @@ def test_each_workload_is_a_valid_run_with_its_own_schedule(vs_trl):
     for name, work in vs_trl.WORKLOADS.items():
         cfg = load_config(work["recipe"], [f"train.steps={work['max_steps']}", *work["schedule"]])
         schedules[name] = cfg.rollout.max_staleness
+        assert cfg.rollout.coalesce_prompts == 64  # a step's group requests go out as one
         assert cfg.train.steps == work["max_steps"] and work["max_steps"] % work["eval_every"] == 0
     assert schedules == {"short": 0, "long": 1}  # the choices the module docstring explains
     long = load_config(vs_trl.WORKLOADS["long"]["recipe"])
