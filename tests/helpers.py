@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -17,6 +22,17 @@ from loongsage.trainer.batch import TrainBatch, collate
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def fresh_python(script: str, without_env: tuple[str, ...] = (), timeout: float = 300):
+    """Runs `script` (dedented) in a new interpreter whose environment lacks `without_env` (what a
+    process imports first, or a Ray it starts, must not depend on this test session's), and returns
+    the JSON value its last line of output prints."""
+    env = {k: v for k, v in os.environ.items() if k not in without_env}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 async def with_client(url: str, fn):

@@ -2,13 +2,9 @@
 or four processes on two cores at a run's start), so the lean paths are pinned by a test."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+
+from helpers import fresh_python
 
 
 @pytest.mark.slow
@@ -17,7 +13,7 @@ def test_a_local_rays_actors_start_lean_with_the_workers_environment():
     not a runtime_env (that routes every actor through Ray's setup_worker and env agent, ~1.3 s
     each), the driver's own environment is left as it was, and an engine actor (it only launches
     a server process) loads no torch."""
-    script = textwrap.dedent("""
+    facts = fresh_python("""
         import json, os, sys
         import ray
         from loongsage.cluster.config import RayConfig
@@ -34,11 +30,7 @@ def test_a_local_rays_actors_start_lean_with_the_workers_environment():
         facts["driver_env"] = {k: os.environ.get(k) for k in WORKER_ENV}
         ray.shutdown()
         print(json.dumps(facts))
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "TOKENIZERS_PARALLELISM"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    """, without_env=("TOKENIZERS_PARALLELISM",))
     assert facts["env"] == {"TOKENIZERS_PARALLELISM": "false"}, facts
     assert facts["driver_env"] == {"TOKENIZERS_PARALLELISM": None}, facts
     assert not facts["runtime_env"].get("env_vars"), facts
@@ -48,12 +40,11 @@ def test_a_local_rays_actors_start_lean_with_the_workers_environment():
 def test_the_engine_command_starts_without_the_run_config():
     """`loongsage engine` (every engine process) imports the engine's own config, not the run's
     (`loongsage.config` pulls in every component's schema: ~0.4 s per engine)."""
-    code = textwrap.dedent("""
-        import sys
+    loaded = fresh_python("""
+        import json, sys
         import loongsage.engine.launch as launch
         from loongsage.cli import main
-        launch.serve = lambda *a, **k: print("run config loaded:", "loongsage.config" in sys.modules)
+        launch.serve = lambda *a, **k: print(json.dumps({"run config loaded": "loongsage.config" in sys.modules}))
         sys.exit(main(["engine", "--model", "/nonexistent", "--port", "1"]))
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "run config loaded: False" in out.stdout, out.stdout + out.stderr[-2000:]
+    """, timeout=120)
+    assert loaded == {"run config loaded": False}

@@ -3,19 +3,17 @@ imported first; an engine's every route but /health needs its key; weights load 
 folders and shared memory under the run's prefix; a non-loopback engine without a key is warned about."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
 from multiprocessing.reduction import ForkingPickler
 
 import httpx
 import pytest
 import torch
 
-from helpers import run
+from helpers import fresh_python, run
 from loongsage.cluster.network import is_loopback
 from loongsage.rollout.client import EngineClient, EngineError
 from loongsage.rollout.launcher import launch_engine
@@ -127,7 +125,7 @@ def test_engine_warns_when_it_listens_beyond_loopback_without_a_key():
 
 @pytest.mark.slow
 def test_local_ray_listens_on_loopback_only_even_when_ray_was_imported_first():
-    script = textwrap.dedent("""
+    seen = fresh_python("""
         import json, os
         os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
         import ray  # before LoongSage: Ray reads its cluster switch now
@@ -145,9 +143,5 @@ def test_local_ray_listens_on_loopback_only_even_when_ray_was_imported_first():
             seen += [c.laddr.ip for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
         ray.shutdown()
         print(json.dumps(seen))
-    """)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-2000:]
-    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    """, without_env=("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",))
     assert len(seen) >= 5 and all(is_loopback(ip) for ip in seen), seen

@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+from helpers import fresh_python
 from loongsage.cli import build_parser
 from loongsage.config_reference import config_keys
 
@@ -52,10 +51,10 @@ def test_cli_and_config_surface_match_the_snapshot():
 
 
 def test_importing_the_config_pulls_in_neither_torch_nor_transformers():
-    code = ("import sys, loongsage.config, loongsage.cli; loongsage.cli.build_parser(); "
-            "print(sorted(m for m in ('torch', 'transformers', 'ray', 'numpy') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+    heavy = fresh_python("import json, sys, loongsage.config, loongsage.cli; loongsage.cli.build_parser(); "
+                         "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'ray', 'numpy') "
+                         "if m in sys.modules)))", timeout=120)
+    assert heavy == []
 
 
 def test_the_package_import_graph_is_acyclic():
