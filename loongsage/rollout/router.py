@@ -135,16 +135,18 @@ class Router:
                 self.sessions.popitem(last=False)
         return idx
 
-    def _begin(self, session: str | None, rid: str | None, avoid: frozenset[int] = frozenset()) -> tuple[int, str]:
-        idx = self.pick(session, avoid)
-        rid = rid or self._new_rid(session)
+    def _begin(self, callers: list[tuple[str | None, str]], avoid: frozenset[int] = frozenset()) -> int:
+        """The engine for one request (its first caller's session picks it), each caller's
+        (session, id) held in flight there, where `abort_where` finds it."""
+        idx = self.pick(callers[0][0], avoid)
         self.outstanding[idx] += 1
-        self.inflight[rid] = (session, idx)
-        return idx, rid
+        self.inflight.update({rid: (session, idx) for session, rid in callers})
+        return idx
 
-    def _end(self, idx: int, rid: str) -> None:
+    def _end(self, idx: int, rids: list[str]) -> None:
         self.outstanding[idx] -= 1
-        self.inflight.pop(rid, None)
+        for rid in rids:
+            self.inflight.pop(rid, None)
 
     async def generate(self, input_ids: list[int], sampling_params: dict, session: str | None = None,
                        rid: str | None = None, **kw) -> list[P.GenerateOutput]:
@@ -266,9 +268,7 @@ class Router:
         while True:
             await self._may_send()
             rids = [r if attempt == 0 else f"{r}.{attempt}" for _, r in callers]
-            idx = self.pick(sessions[0], frozenset(avoid))
-            self.outstanding[idx] += 1
-            self.inflight.update({r: (s, idx) for s, r in zip(sessions, rids)})
+            idx = self._begin(list(zip(sessions, rids)), frozenset(avoid))
             try:
                 res = await self.clients[idx].generate_raw(P.build_generate(prompts, params, rid=payload_rid(rids), **kw))
                 break
@@ -277,9 +277,7 @@ class Router:
                 if not any(self._retryable(exc, attempt, s) for s in sessions):
                     raise
             finally:
-                self.outstanding[idx] -= 1
-                for r in rids:
-                    self.inflight.pop(r, None)
+                self._end(idx, rids)
             attempt += 1
             avoid.add(idx)
             await self._before_retry(attempt)
@@ -291,7 +289,8 @@ class Router:
         if not any(self.up):
             await self._wait_up()
         await self._may_send()
-        idx, rid = self._begin(session, rid, frozenset(avoid))
+        rid = rid or self._new_rid(session)
+        idx = self._begin([(session, rid)], frozenset(avoid))
         try:
             async for chunk in self.clients[idx].generate_stream(input_ids, sampling_params, rid=rid, **kw):
                 yield P.parse_generate(chunk)
@@ -300,7 +299,7 @@ class Router:
             avoid.add(idx)
             raise
         finally:
-            self._end(idx, rid)
+            self._end(idx, [rid])
 
     async def abort_where(self, session_matches: Callable[[str | None], bool]) -> int:
         """Aborts every request in flight whose session matches, on the engine that holds it;
