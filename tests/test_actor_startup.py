@@ -28,6 +28,7 @@ def test_a_local_rays_actors_start_lean_with_the_workers_environment():
                         "torch": "torch" in sys.modules}
         facts = ray.get(A.remote().facts.remote())
         facts["driver_env"] = {k: os.environ.get(k) for k in WORKER_ENV}
+        facts["ray_processes"] = sorted(ray._private.worker._global_node.all_processes)
         ray.shutdown()
         print(json.dumps(facts))
     """, without_env=("TOKENIZERS_PARALLELISM",))
@@ -35,6 +36,28 @@ def test_a_local_rays_actors_start_lean_with_the_workers_environment():
     assert facts["driver_env"] == {"TOKENIZERS_PARALLELISM": None}, facts
     assert not facts["runtime_env"].get("env_vars"), facts
     assert facts["torch"] is False, facts
+    # the head runs what a run uses (GCS, raylet and its agents), not the autoscaler monitor, the
+    # log monitor (log_to_driver is off) or the API server: each another process importing Ray
+    assert {"gcs_server", "raylet"} <= set(facts["ray_processes"]), facts
+    assert not {"monitor", "log_monitor", "dashboard"} & set(facts["ray_processes"]), facts
+
+
+def test_the_lean_head_keeps_the_log_monitor_for_logs_to_the_driver_and_restores_ray():
+    """With `log_to_driver` the log monitor stays (it streams worker logs to the driver); outside
+    the call Ray's node parameters and API-server start are its own again."""
+    from ray._private import node as ray_node
+    from ray._private.parameter import RayParams
+
+    from loongsage.cluster.ray_setup import _lean_local_head
+
+    before = ray_node.Node.start_api_server
+    for log_to_driver in (True, False):
+        with _lean_local_head(log_to_driver):
+            params = RayParams()
+            assert (params.no_monitor, params.include_log_monitor) == (True, log_to_driver)
+    params = RayParams()
+    assert (params.no_monitor, params.include_log_monitor) == (False, None)
+    assert ray_node.Node.start_api_server is before
 
 
 def test_the_engine_command_starts_without_the_run_config():
