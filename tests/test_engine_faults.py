@@ -17,7 +17,8 @@ from aiohttp import web
 from test_train_e2e import EASY
 
 from helpers import processes_mentioning
-from loongsage.controller.supervisor import Strikes
+from loongsage.controller.supervisor import EngineSupervisor, Fleet, Strikes
+from loongsage.rollout.config import EngineHealthConfig
 from loongsage.rollout.router import Router
 
 
@@ -29,6 +30,27 @@ def test_strikes_restart_a_gone_engine_at_once_and_an_unhealthy_one_after_enough
     assert s.verdict(2, "unhealthy") == "wait"
     s.reported.add(3)  # health says fine, but calls failed on it since: a strike all the same
     assert s.verdict(3, "ok") == "wait" and s.verdict(3, "ok") == "ok"
+
+
+def test_a_closed_supervisor_takes_no_report_of_engines_stopped_on_purpose():
+    """A run's teardown stops its engines while a cancelled producer's abort may still be in flight:
+    that failed call must not take the engine out, log a failure, or start a check."""
+    async def report_twice():
+        router = Router([], clients=[object()])
+        supervisor = EngineSupervisor([Fleet("engine", router, None)], EngineHealthConfig(check_every_s=60),
+                                      on_fatal=lambda exc: None)
+        supervisor._spawn = lambda coro: coro.close()  # the check itself is not what this test is about
+        router._report(0, ConnectionError("went away"))
+        reported = (router.up[0], set(supervisor.strikes.reported))
+        router.up[0] = True
+        supervisor.strikes.reported.clear()
+        supervisor.close()
+        router._report(0, ConnectionError("stopped at the end of the run"))
+        return reported, (router.up[0], set(supervisor.strikes.reported))
+
+    while_running, after_close = asyncio.run(report_twice())
+    assert while_running == (False, {("engine", 0)})
+    assert after_close == (True, set())
 
 
 async def _failing_server(status: int | None):

@@ -95,6 +95,14 @@ class EngineSupervisor:
             for t in list(self._tasks):
                 t.cancel()
 
+    def close(self) -> None:
+        """The run is ending: engines are about to be stopped on purpose, so calls they fail from here
+        on (an abort sent as a producer is cancelled) are not failures to check or restart."""
+        for fleet in self.fleets.values():
+            fleet.router.on_engine_failure = None
+        for t in list(self._tasks):
+            t.cancel()
+
     async def check_all(self) -> None:
         await asyncio.gather(*[self.check(key) for key in self._engines() if key not in self.restarting])
 

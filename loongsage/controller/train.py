@@ -205,6 +205,7 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     finally:
         if watching is not None:
             watching.cancel()
+        supervisor.close()  # engines stopped from here on are not failures
         if upcoming is not None:
             upcoming.cancel()
         if pending is not None:
