@@ -41,9 +41,27 @@ def agent_like_batch(seed: int = 0):
     return batch
 
 
+def grpo_like_batch(seed: int = 1):
+    """GRPO groups: prompts of 5 to 9 tokens, each answered 4 times with 1 to 6 tokens, the groups
+    shuffled together, per-token temperatures and 2 teachers' top-3 ids at every column."""
+    rng = random.Random(seed)
+    samples = []
+    for _ in range(5):
+        prompt = [rng.randrange(3, 120) for _ in range(rng.randrange(5, 10))]
+        for _ in range(4):
+            n = rng.randrange(1, 7)
+            samples.append(Sample(prompt, [rng.randrange(3, 120) for _ in range(n)], [1] * n, [-1.0] * n, [0] * n,
+                                  temperatures=[0.8] * n))
+    rng.shuffle(samples)
+    batch = collate(samples, pad_id=0)
+    batch.teacher_top_ids = torch.randint(0, 120, (*batch.loss_mask.shape, 2, 3),
+                                          generator=torch.Generator().manual_seed(seed))
+    return batch
+
+
 def plain_scores(model, mb):
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-    return score_tokens(out.logits[:, :-1], mb.input_ids[:, 1:], True, None, mb.temperatures)
+    return score_tokens(out.logits[:, :-1], mb.input_ids[:, 1:], True, mb.teacher_top_ids, mb.temperatures)
 
 
 def test_groups_share_the_system_prompt_and_stop_before_the_first_trained_token():
@@ -58,20 +76,36 @@ def test_groups_share_the_system_prompt_and_stop_before_the_first_trained_token(
     assert all(g.prefix == 0 for g in prefix_groups(mb, 64))  # nothing shares 64 tokens
 
 
-def test_shared_prefix_scores_and_gradients_equal_the_plain_forward(tiny_model):
-    mb = agent_like_batch()
+def test_grpo_groups_share_their_whole_prompts_whatever_their_lengths():
+    mb = grpo_like_batch()
+    shared = [g for g in prefix_groups(mb, 4) if g.prefix]
+    assert sorted(len(g.rows) for g in shared) == [4] * 5
+    lengths = mb.attention_mask.sum(dim=1) - (mb.loss_mask > 0).sum(dim=1)  # each row's prompt
+    assert all(g.prefix == int(lengths[g.rows[0]]) for g in shared)
+    assert len({g.prefix for g in shared}) > 1  # heads and tails of several lengths in one call each
+
+
+@pytest.mark.parametrize("make_batch, min_prefix", [(agent_like_batch, 16), (grpo_like_batch, 4)])
+def test_shared_prefix_scores_and_gradients_equal_the_plain_forward(tiny_model, make_batch, min_prefix):
+    mb = make_batch()
     mask = mb.loss_mask
     results = []
     for shared in (False, True):
         model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)  # a copy of its own
         model.train()
-        s = shared_prefix_scores(model, mb, "cpu", True, False, 16) if shared else plain_scores(model, mb)
+        s = shared_prefix_scores(model, mb, "cpu", True, True, min_prefix) if shared else plain_scores(model, mb)
         assert s is not None
-        (-(s.logprobs * mask).sum() + 0.1 * (s.entropy * mask).sum()).backward()
+        loss = -(s.logprobs * mask).sum() + 0.1 * (s.entropy * mask).sum()
+        if s.at_teacher_top is not None:
+            loss = loss - 0.1 * (s.at_teacher_top.sum((2, 3)) * mask).sum()
+        loss.backward()
         results.append((s, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (plain, g_plain), (grouped, g_grouped) = results
     assert torch.allclose(plain.logprobs * mask, grouped.logprobs * mask, atol=1e-5)
     assert torch.allclose(plain.entropy * mask, grouped.entropy * mask, atol=1e-5)
+    if mb.teacher_top_ids is not None:
+        m = mask[:, :, None, None]
+        assert torch.allclose(plain.at_teacher_top * m, grouped.at_teacher_top * m, atol=1e-5)
     worst = max(float((g_plain[n] - g_grouped[n]).abs().max() / g_plain[n].abs().max().clamp(min=1e-8)) for n in g_plain)
     assert worst < 1e-4, worst
     assert float(g_grouped["model.embed_tokens.weight"].abs().sum()) > 0

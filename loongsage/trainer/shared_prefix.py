@@ -8,6 +8,10 @@ back through the repeated keys and values into the single prefix pass, so logpro
 equal the unshared forward's up to float rounding (tests/test_shared_prefix.py): the calculator
 agent's 400-token samples, 85% of them a 346-token prompt, train ~4x faster on CPU.
 
+All groups run together: their prefixes in one call and their rows' rests in another, whatever the
+number of groups (a GRPO batch has one per prompt), so short prompts gain too: arith's 32 groups of
+8 rows with 6-token prompts train a step in 105 ms instead of 125 (one group a call took 450 ms).
+
 Only columns the loss never reads are left out: a prefix ends at the first trained token of its
 group, and the columns it scores before that (prompt positions, loss mask 0) come back as zeros.
 """
@@ -72,15 +76,20 @@ def _common_prefix(ids: torch.Tensor, rows: list[int], *caps: int) -> int:
 def shared_prefix_scores(model, mb: TrainBatch, device, with_entropy: bool, with_teacher: bool,
                          min_prefix: int) -> TokenScores | None:
     """The micro-batch's TokenScores through shared prefixes, or None where no group shares one (the
-    caller's plain forward is then the same work)."""
+    caller's plain forward is then the same work). At most three model calls, whatever the number of
+    groups: every group's prefix in one call, every shared row's rest on top of its group's keys and
+    values in a second, and the rows that share nothing in a third."""
     groups = prefix_groups(mb, min_prefix)
-    if all(g.prefix == 0 for g in groups):
+    shared = [g for g in groups if g.prefix >= 2]  # a prefix of one token runs in its rows' own pass
+    if not shared:
         return None
     width = mb.loss_mask.shape[1]
-    parts, order = [], []
-    for g in groups:
-        parts.append(_group_scores(model, mb, g, device, with_entropy, with_teacher, width))
-        order.extend(g.rows)
+    lone = sorted(r for g in groups if g.prefix < 2 for r in g.rows)
+    parts = [_shared_rows_scores(model, mb, shared, device, with_entropy, with_teacher, width)]
+    order = [r for g in shared for r in g.rows]
+    if lone:
+        parts.append(_plain_rows_scores(model, mb, lone, device, with_entropy, with_teacher, width))
+        order += lone
     inverse = torch.empty(len(order), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(order))
     inverse = inverse.to(device)
@@ -89,37 +98,68 @@ def shared_prefix_scores(model, mb: TrainBatch, device, with_entropy: bool, with
         tensors = [getattr(p, name) for p in parts]
         return None if tensors[0] is None else torch.cat(tensors).index_select(0, inverse)
 
-    spared = sum(g.prefix * (len(g.rows) - 1) for g in groups)
+    spared = sum((g.prefix - 1) * (len(g.rows) - 1) for g in shared)
     return TokenScores(join("logprobs"), join("entropy"), join("at_teacher_top"), spared)
 
 
-def _group_scores(model, mb: TrainBatch, g: PrefixGroup, device, with_entropy: bool, with_teacher: bool,
-                  width: int) -> TokenScores:
-    """Scores of the group's rows over all `width` columns (zeros before the prefix's last one)."""
-    rows = torch.tensor(g.rows)
-    ids = mb.input_ids[rows, : g.length].to(device)
-    mask = mb.attention_mask[rows, : g.length].to(device)
-    p = g.prefix
-    if p == 0:
-        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
-        first = 0
-    else:
-        head = model(input_ids=ids[:1, :p], use_cache=True)
-        cache = head.cache if getattr(head, "cache", None) is not None else head.past_key_values
-        cache.batch_repeat_interleave(len(g.rows))
-        tail = model(input_ids=ids[:, p:], attention_mask=mask, cache=cache, use_cache=True)
-        # column p-1 (the prefix's last position) scores each row's own first token after it
-        logits = torch.cat([head.logits[:, -1:].expand(len(g.rows), -1, -1), tail.logits[:, :-1]], dim=1)
-        first = p - 1
-    last = g.length - 1
-    top = mb.teacher_top_ids[rows, first:last] if with_teacher and mb.teacher_top_ids is not None else None
-    temps = None if mb.temperatures is None else mb.temperatures[rows, first:last]
-    s = score_tokens(logits, ids[:, first + 1:], with_entropy, top, temps)
+def _plain_rows_scores(model, mb: TrainBatch, rows: list[int], device, with_entropy: bool, with_teacher: bool,
+                       width: int) -> TokenScores:
+    idx = torch.tensor(rows)
+    length = int(mb.attention_mask[idx].sum(dim=1).max())
+    ids = mb.input_ids[idx, :length].to(device)
+    logits = model(input_ids=ids, attention_mask=mb.attention_mask[idx, :length].to(device), use_cache=False).logits
+    top = mb.teacher_top_ids[idx, : length - 1] if with_teacher and mb.teacher_top_ids is not None else None
+    temps = None if mb.temperatures is None else mb.temperatures[idx, : length - 1]
+    s = score_tokens(logits[:, :-1], ids[:, 1:], with_entropy, top, temps)
 
     def widen(t: torch.Tensor | None):
-        if t is None:
+        return None if t is None else F.pad(t, [0, 0] * (t.dim() - 2) + [0, width - (length - 1)])
+
+    return TokenScores(widen(s.logprobs), widen(s.entropy), widen(s.at_teacher_top))
+
+
+def _shared_rows_scores(model, mb: TrainBatch, groups: list[PrefixGroup], device, with_entropy: bool,
+                        with_teacher: bool, width: int) -> TokenScores:
+    """Scores of the groups' rows over all `width` columns (zeros before each prefix's last column).
+
+    Group g's first p_g - 1 tokens run once (the heads, right-padded to the longest); each row then
+    runs from its prefix's last token on (the tails, right-padded), at positions p_g - 1 onwards,
+    attending to its group's head keys and values (repeated per row, with gradients through them)."""
+    rows = torch.tensor([r for g in groups for r in g.rows])
+    group_of = torch.tensor([i for i, g in enumerate(groups) for _ in g.rows])
+    head_len = torch.tensor([g.prefix - 1 for g in groups])
+    h = int(head_len.max())
+    heads = mb.input_ids[[g.rows[0] for g in groups], :h]
+    head_mask = (torch.arange(h)[None] < head_len[:, None]).long()
+    start = head_len[group_of]  # each row's first tail position: its prefix's last token
+    lengths = mb.attention_mask[rows].sum(dim=1)
+    t = int((lengths - start).max())
+    j = torch.arange(t)[None]
+    in_tail = j < (lengths - start)[:, None]
+    tail_ids = mb.input_ids[rows].gather(1, (start[:, None] + j).clamp(max=mb.input_ids.shape[1] - 1))
+    head = model(input_ids=heads.to(device), attention_mask=head_mask.to(device), use_cache=True, logits_to_keep=1)
+    cache = head.cache if getattr(head, "cache", None) is not None else head.past_key_values
+    cache.batch_select_indices(group_of.to(device))
+    tail = model(input_ids=tail_ids.to(device), attention_mask=torch.cat([head_mask[group_of], in_tail.long()], 1).to(device),
+                 position_ids=(start[:, None] + j).to(device), cache=cache, use_cache=True)
+    # tail logit k scores the row's token at start + k + 1: batch column start + k
+    cols = (start[:, None] + torch.arange(t - 1)[None]).clamp(max=width - 1)
+    top = None
+    if with_teacher and mb.teacher_top_ids is not None:
+        tt = mb.teacher_top_ids[rows]
+        top = tt.gather(1, cols[:, :, None, None].expand(-1, -1, *tt.shape[2:]))
+    temps = None if mb.temperatures is None else mb.temperatures[rows].gather(1, cols)
+    s = score_tokens(tail.logits[:, :-1], tail_ids[:, 1:].to(device), with_entropy, top, temps)
+    # back to batch columns: column c holds tail score c - start where start <= c < length - 1
+    c = torch.arange(width)[None]
+    back = (c - start[:, None]).clamp(0, max(t - 2, 0)).to(device)
+    keep = ((c >= start[:, None]) & (c < lengths[:, None] - 1)).to(device)
+
+    def widen(x: torch.Tensor | None):
+        if x is None:
             return None
-        pad = [0, 0] * (t.dim() - 2) + [first, width - last]
-        return F.pad(t, pad)
+        extra = x.shape[2:]
+        index = back.view(*back.shape, *[1] * len(extra)).expand(-1, -1, *extra)
+        return x.gather(1, index) * keep.view(*keep.shape, *[1] * len(extra))
 
     return TokenScores(widen(s.logprobs), widen(s.entropy), widen(s.at_teacher_top))
