@@ -30,7 +30,6 @@ from loongsage.trainer.step import TokenScores, score_tokens
 class PrefixGroup:
     rows: list[int]  # rows of the micro-batch
     prefix: int  # leading tokens every row shares, run once (0: a plain forward of the rows)
-    length: int  # the group's longest row
 
 
 def prefix_groups(mb: TrainBatch, min_prefix: int) -> list[PrefixGroup]:
@@ -45,7 +44,7 @@ def prefix_groups(mb: TrainBatch, min_prefix: int) -> list[PrefixGroup]:
     eligible = (lengths_t > min_prefix) & (first_t + 1 >= min_prefix)
     lengths = lengths_t.tolist()
     if int(eligible.sum()) < 2:  # e.g. short prompts: nothing can share min_prefix tokens
-        return [PrefixGroup(list(range(len(lengths))), 0, max(lengths))]
+        return [PrefixGroup(list(range(len(lengths))), 0)]
     first_trained, ok = first_t.tolist(), eligible.tolist()
     heads = ids[:, :min_prefix].tolist()
     keyed: dict[tuple, list[int]] = {}
@@ -56,11 +55,11 @@ def prefix_groups(mb: TrainBatch, min_prefix: int) -> list[PrefixGroup]:
         prefix = _common_prefix(ids, rows, min(lengths[r] for r in rows) - 1,
                                 min(first_trained[r] for r in rows) + 1) if len(rows) > 1 else 0
         if prefix >= max(min_prefix, 1):
-            groups.append(PrefixGroup(rows, prefix, max(lengths[r] for r in rows)))
+            groups.append(PrefixGroup(rows, prefix))
         else:
             plain.extend(rows)
     if plain:
-        groups.append(PrefixGroup(sorted(plain), 0, max(lengths[r] for r in plain)))
+        groups.append(PrefixGroup(sorted(plain), 0))
     return groups
 
 
