@@ -146,12 +146,13 @@ def bench_short(waves: int, n: int) -> float:
     """The arith recipe's model and wave; returns engine / HF tokens per second."""
     spec = TinyModelSpec(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=512,
                          vocab_size=128, max_position_embeddings=64)
-    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="bench-model-"), spec))
     work = short_waves(waves)
     print(f"short: arith model (Qwen3 hidden 128 x 2 layers); {waves} waves of 32 prompts x n={n}, 3..5 tokens")
-    with launch_engine(model_dir, threads=1, extra_args=["--max-running", str(32 * n), "--context-length", "64"]) as ep:
-        e_s, e_tok = asyncio.run(run_engine_short(ep.url, work, n))
-    h_s, h_tok = run_hf_short(model_dir, work, n)
+    with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
+        model_dir = str(build_tiny_model(tmp, spec))
+        with launch_engine(model_dir, threads=1, extra_args=["--max-running", str(32 * n), "--context-length", "64"]) as ep:
+            e_s, e_tok = asyncio.run(run_engine_short(ep.url, work, n))
+        h_s, h_tok = run_hf_short(model_dir, work, n)
     print(f"  engine (HTTP, one /generate per group): {e_tok} tokens in {e_s:.2f}s = {e_tok / e_s:,.0f} tok/s "
           f"({e_s / waves * 1000:.0f} ms a wave)")
     print(f"  transformers generate, one batch of {32 * n}: {h_tok} tokens in {h_s:.2f}s = {h_tok / h_s:,.0f} tok/s "
@@ -159,6 +160,28 @@ def bench_short(waves: int, n: int) -> float:
     ratio = (e_tok / e_s) / (h_tok / h_s)
     print(f"  ratio engine / HF: {ratio:.2f}x")
     return ratio
+
+
+def bench_mixed(args) -> tuple[float, int, dict[int, float]]:
+    """Uneven lengths on a wider model; returns the engine's tokens per second, its output tokens,
+    and HF's tokens per second for each padded batch size."""
+    prompts, lengths = workload(args.requests)
+    print(f"mixed: Qwen3 hidden {args.hidden} x {args.layers} layers; {args.requests} requests, "
+          f"{sum(lengths)} output tokens (lengths {min(lengths)}..{max(lengths)})")
+    spec = TinyModelSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=4, num_kv_heads=4,
+                         intermediate_size=2 * args.hidden)
+    with tempfile.TemporaryDirectory(prefix="bench-model-") as tmp:
+        model_dir = str(build_tiny_model(tmp, spec))
+        with launch_engine(model_dir, threads=1, extra_args=["--max-running", str(args.requests)]) as ep:
+            e_s, e_tok = asyncio.run(run_engine(ep.url, prompts, lengths))
+        engine_tok_s = e_tok / e_s
+        print(f"  engine (continuous batching, HTTP): {e_tok} tokens in {e_s:.2f}s = {engine_tok_s:,.0f} tok/s")
+        hf = {}
+        for b in args.hf_batch:
+            h_s, h_tok = run_hf(model_dir, prompts, lengths, b)
+            hf[b] = h_tok / h_s
+            print(f"  transformers generate, padded batches of {b}: {h_tok} tokens in {h_s:.2f}s = {hf[b]:,.0f} tok/s")
+    return engine_tok_s, e_tok, hf
 
 
 def main() -> None:
@@ -172,21 +195,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     short_ratio = bench_short(args.waves, args.n)
-    model_dir = str(build_tiny_model(tempfile.mkdtemp(prefix="bench-model-"),
-                                     TinyModelSpec(hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
-                                                   num_kv_heads=4, intermediate_size=2 * args.hidden)))
-    prompts, lengths = workload(args.requests)
-    print(f"mixed: Qwen3 hidden {args.hidden} x {args.layers} layers; {args.requests} requests, "
-          f"{sum(lengths)} output tokens (lengths {min(lengths)}..{max(lengths)})")
-    with launch_engine(model_dir, threads=1, extra_args=["--max-running", str(args.requests)]) as ep:
-        e_s, e_tok = asyncio.run(run_engine(ep.url, prompts, lengths))
-    engine_tok_s = e_tok / e_s
-    print(f"  engine (continuous batching, HTTP): {e_tok} tokens in {e_s:.2f}s = {engine_tok_s:,.0f} tok/s")
-    hf = {}
-    for b in args.hf_batch:
-        h_s, h_tok = run_hf(model_dir, prompts, lengths, b)
-        hf[b] = h_tok / h_s
-        print(f"  transformers generate, padded batches of {b}: {h_tok} tokens in {h_s:.2f}s = {hf[b]:,.0f} tok/s")
+    engine_tok_s, e_tok, hf = bench_mixed(args)
     best = max(hf, key=hf.get)
     mixed_ratio = engine_tok_s / hf[best]
     print(f"  ratio engine / best HF (batch {best}): {mixed_ratio:.2f}x")

@@ -73,13 +73,13 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=256)
     args = ap.parse_args()
-    root = tempfile.mkdtemp(prefix="bench-teachers-")
     spec = TinyModelSpec(hidden_size=args.hidden, num_layers=4, intermediate_size=4 * args.hidden,
                          max_position_embeddings=128)
-    models = [str(build_tiny_model(f"{root}/t{i}", spec.model_copy(update={"seed": 100 + i})))
-              for i in range(args.teachers)]
     groups = workload(args.groups, args.group_size)
     with ExitStack() as stack:
+        root = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-teachers-"))
+        models = [str(build_tiny_model(f"{root}/t{i}", spec.model_copy(update={"seed": 100 + i})))
+                  for i in range(args.teachers)]
         engines = [stack.enter_context(launch_engine(m, extra_args=["--max-running", "128", "--context-length", "128"]))
                    for m in models]
         urls = [e.url for e in engines]

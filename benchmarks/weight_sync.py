@@ -127,6 +127,7 @@ def measure(kind: str, numel: int, repeats: int, device: str = "cpu") -> tuple[f
     proc.join()
     if path:
         os.remove(path)
+        os.rmdir(os.path.dirname(path))
     return (min(times) if kind != "collective" else min(times[1:] or times)), verified  # 1st broadcast connects
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -347,11 +348,14 @@ def test_concurrent_work_for_two_teachers_under_a_budget_of_one_completes(engine
     assert swaps == 2  # b swapped in once for all its jobs, then a once for the rest of its jobs
 
 
-def test_teacher_memory_benchmark_holds_one_teacher_under_a_budget_of_one():
-    """benchmarks/teacher_memory.py, small: three teachers served in turn under a budget of one."""
+def test_teacher_memory_benchmark_holds_one_teacher_under_a_budget_of_one(tmp_path):
+    """benchmarks/teacher_memory.py, small: three teachers served in turn under a budget of one
+    (released weights go to each engine's temporary folder: none is left behind)."""
     out = subprocess.run([sys.executable, "benchmarks/teacher_memory.py", "--teachers", "3", "--groups", "12",
-                          "--in-flight", "4", "--hidden", "64"], capture_output=True, text=True, timeout=600)
+                          "--in-flight", "4", "--hidden", "64"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert out.returncode == 0, out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["peak_over_one"] <= 1.3 and result["swaps"] >= 2, result
     assert result["samples_per_s_budget"] > 0 and result["samples_per_s_all_resident"] > 0

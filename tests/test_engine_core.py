@@ -100,16 +100,19 @@ def test_prefix_cache_finds_the_longest_prefix_and_the_oldest_entry():
     assert cache.lookup([1, 2, 9], limit=10) == (None, 0) and len(cache) == 0
 
 
-def test_engine_throughput_benchmark_runs_both_workloads():
+def test_engine_throughput_benchmark_runs_both_workloads(tmp_path):
     """benchmarks/engine_throughput.py, small: both workloads run and report their ratios (the
-    benchmark's numbers are for the closing note, not asserted here: the machine is shared)."""
+    benchmark's numbers are for the closing note, not asserted here: the machine is shared), and
+    leave nothing in the temporary folder (models, engines' logs)."""
     import json
+    import os
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "benchmarks/engine_throughput.py", "--waves", "2", "--n", "4",
                           "--requests", "8", "--hf-batch", "8", "--hidden", "64", "--layers", "1"],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert out.returncode == 0, out.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["short_ratio"] > 0 and result["mixed_ratio"] > 0 and result["requests"] == 8, result

@@ -5,9 +5,11 @@ completes with every prompt accounted once and no train-inference gap from the r
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import os
 import signal
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -194,6 +196,7 @@ def test_a_run_outlives_its_engine_failing_then_killed_then_hung(ray_session, tm
                       "samples/aborted_by_system": sum(r.get("samples/aborted_by_system", 0) for r in steps),
                       "ledger": dict(Counter(x["fate"] for x in ledger)), "max_gap": max(gaps),
                       "eval": [summary["eval_before"], summary["eval_after"]]}))
+    assert len(set(_started_pids(run / "logs" / "engine-0.log"))) == 1 + restarts  # each server's log, in the run
     assert not processes_mentioning(str(run))  # the hung engine was killed, not left stopped
     assert not [p for p in (faults[1][1],) if Path(f"/proc/{p}").exists()]
     deadline = time.time() + 30
@@ -304,10 +307,11 @@ def test_the_stop_message_names_the_resume_command_only_where_a_checkpoint_exist
     assert "RuntimeError: trainer died" in msg and f"loongsage train --resume {tmp_path}" in msg and "step_4" in msg
 
 
-def test_a_teacher_engine_killed_comes_back_with_its_weights_and_its_residency(ray_session, tiny_model):
+def test_a_teacher_engine_killed_comes_back_with_its_weights_and_its_residency(ray_session, tiny_model, tmp_path):
     """A teacher's only engine killed (-9) while it is resident, then again while it is released:
     each time the supervisor restarts it; scoring waits and then gives exactly the scores from
-    before; the second successor comes up released, as the Teacher Manager left the teacher."""
+    before; the second successor comes up released, as the Teacher Manager left the teacher. Its
+    three servers wrote one log, in the folder given."""
     import functools
 
     import ray
@@ -322,7 +326,9 @@ def test_a_teacher_engine_killed_comes_back_with_its_weights_and_its_residency(r
     from loongsage.teachers.launch import replace_teacher_engine
     from loongsage.teachers.manager import Teacher, TeacherManager
 
-    engines = EngineGroup(tiny_model, EngineConfig(max_running=8, context_length=64), RolloutConfig())
+    scratch_before = _engine_scratch_dirs()
+    engines = EngineGroup(tiny_model, EngineConfig(max_running=8, context_length=64), RolloutConfig(),
+                          role="teacher-a", log_dir=str(tmp_path / "logs"))
     teacher = Teacher(TeacherConfig(name="a", model=tiny_model),
                       Router([], clients=[EngineClient(engines.urls[0], engines.api_key)], engine_wait_s=120), 1,
                       engines)
@@ -367,3 +373,25 @@ def test_a_teacher_engine_killed_comes_back_with_its_weights_and_its_residency(r
     assert not errors and restarts == 2
     assert before == after_kill == again
     assert info["memory_released"] is True
+    assert os.listdir(tmp_path / "logs") == ["teacher-a-0.log"]
+    assert len(set(_started_pids(tmp_path / "logs" / "teacher-a-0.log"))) == 3  # first server, two successors
+    assert _engine_scratch_dirs() == scratch_before  # the one killed while released had its weights saved there
+
+
+def _engine_scratch_dirs() -> set[str]:
+    return set(glob.glob(f"{tempfile.gettempdir()}/loongsage-engine-*"))
+
+
+def _started_pids(log: Path) -> list[int]:
+    """The pids of the servers that started writing `log` (each says so on its first line)."""
+    return [int(line.split("(pid ")[1].split(")")[0]) for line in log.read_text().splitlines()
+            if line.startswith("loongsage engine (pid ")]
+
+
+def test_an_engine_without_a_log_folder_takes_its_temporary_log_with_it(tiny_model):
+    from loongsage.rollout.launcher import launch_engine
+
+    with launch_engine(tiny_model, extra_args=["--max-running", "4", "--context-length", "64"]) as ep:
+        assert _started_pids(Path(ep.log_path)) == [ep.proc.pid]
+        assert Path(ep.log_path).parent == Path(ep.scratch)
+    assert not Path(ep.scratch).exists()

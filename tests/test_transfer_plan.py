@@ -129,11 +129,15 @@ def _weight_sync_bench():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not __import__("torch").cuda.is_available(), reason="needs a GPU (scripts/gpu_check.sh runs it)"))])
-def test_every_raw_transport_delivers_the_exact_bits(device):
+def test_every_raw_transport_delivers_the_exact_bits(device, tmp_path, monkeypatch):
     """The weight_sync benchmark's transfers between two processes (LoongSage's handles: /dev/shm on
-    CPU, CUDA IPC on a GPU; gloo or NCCL) land bit-identical in the receiver."""
+    CPU, CUDA IPC on a GPU; gloo or NCCL) land bit-identical in the receiver, and leave no file behind."""
+    import tempfile
+
     bench = _weight_sync_bench()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     for kind in bench.KINDS:
         seconds, verified = bench.measure(kind, 50_000, 2, device)
         assert verified, kind
         assert seconds > 0
+    assert not list(tmp_path.iterdir())

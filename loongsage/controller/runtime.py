@@ -109,11 +109,13 @@ class Runtime:
                     ray_cfg: RayConfig, with_reference: bool = False,
                     transfer: TransferConfig | None = None, reference_dir: str | None = None,
                     placement: PlacementConfig | None = None, teachers=(),
-                    launch_teachers: Callable[[str, RunPlacement], Awaitable[list]] | None = None) -> Runtime:
+                    launch_teachers: Callable[[str, RunPlacement], Awaitable[list]] | None = None,
+                    log_dir: str | None = None) -> Runtime:
         """`model_dir`: the policy the trainer and engines start from; `reference_dir`: the KL
         reference's weights (default: the same); `placement`: how the actors (and the engines of
         `teachers`) are laid out in the run's placement group; `launch_teachers(shm_prefix, pg)`
-        starts the teachers' engines beside the trainers and engines (`Runtime.teacher_engines`)."""
+        starts the teachers' engines beside the trainers and engines (`Runtime.teacher_engines`);
+        `log_dir`: where the engines' servers write their logs (`engine-{i}.log`)."""
         phases, t = [], time.perf_counter()
 
         def phase(name: str) -> None:
@@ -143,7 +145,7 @@ class Runtime:
             # importing torch and loading weights in its own process.
             parts = await asyncio.gather(
                 asyncio.to_thread(TrainerGroup, trainer, model_dir, shm_prefix, pg),
-                asyncio.to_thread(EngineGroup, model_dir, engine, rollout, shm_prefix, (disk_dir,), pg),
+                asyncio.to_thread(EngineGroup, model_dir, engine, rollout, shm_prefix, (disk_dir,), pg, log_dir=log_dir),
                 *([asyncio.to_thread(TrainerGroup, trainer, reference_dir or model_dir, shm_prefix, pg, "reference")]
                   if with_reference else []),
                 *([launch_teachers(shm_prefix, pg)] if launch_teachers else []),

@@ -35,6 +35,9 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
     app = create_app(core, security=security, host=host, inject_errors=cfg.inject_errors)
     freeze_long_lived()  # model, tokenizer, server: out of the cyclic GC's full passes (heap.py)
     core.start()
+    print(f"loongsage engine (pid {os.getpid()}): {model} on {host}:{port}, device {cfg.device}, "
+          f"{torch.get_num_threads()} threads, max_running {cfg.max_running}, context {cfg.context_length}",
+          file=sys.stderr, flush=True)  # the first line of its log: which server this was
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                     timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)

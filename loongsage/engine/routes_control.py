@@ -40,7 +40,8 @@ def control_routes(core: EngineCore) -> APIRouter:
             n += await on_core(core.abort, rid, req.abort_all)
         return {"success": True, "num_aborted": n}
 
-    @router.api_route("/flush_cache", methods=["GET", "POST"])
+    @router.post("/flush_cache")
+    @router.get("/flush_cache", operation_id="flush_cache_get")  # SGLang takes both; one operation id each
     async def flush_cache():
         try:
             await on_core(core.flush_cache)

@@ -16,7 +16,7 @@ from loongsage.transfer.shm_names import SHM_PREFIX
 
 class EngineActor:
     def __init__(self, model_path: str, ecfg: EngineConfig, threads: int, kind: str, api_key: str, shm_prefix: str,
-                 weight_roots: list[str]):
+                 weight_roots: list[str], log_path: str | None = None):
         from loongsage.cliargs import flags_of
         from loongsage.cluster.network import node_address
         from loongsage.rollout.launcher import launch_engine, launch_sglang
@@ -25,12 +25,13 @@ class EngineActor:
         self.device = physical_device("cuda:0" if kind == "sglang" else ecfg.device)
         host = node_address()
         if kind == "sglang":
-            self.proc = launch_sglang(model_path, ecfg.sglang_args_for(), host=host, api_key=api_key)
+            self.proc = launch_sglang(model_path, ecfg.sglang_args_for(), host=host, api_key=api_key, log_path=log_path)
         else:
             extra = flags_of(ecfg) + ["--shm-prefix", shm_prefix]
             if weight_roots:
                 extra += ["--weight-roots", *weight_roots]
-            self.proc = launch_engine(model_path, host=host, threads=threads, extra_args=extra, api_key=api_key)
+            self.proc = launch_engine(model_path, host=host, threads=threads, extra_args=extra, api_key=api_key,
+                                      log_path=log_path)
 
     def url(self) -> str:
         return self.proc.url
@@ -61,9 +62,11 @@ class EngineActor:
 class EngineGroup:
     def __init__(self, model_path: str, engine_cfg: EngineConfig, rollout: RolloutConfig,
                  shm_prefix: str = SHM_PREFIX, weight_roots: tuple[str, ...] = (), placement=None,
-                 role: str = "engine"):
+                 role: str = "engine", log_dir: str | None = None):
         """`placement`: the run's RunPlacement (engine i is its member `{role}-{i}`, and a restarted
-        engine takes the same bundle), or None: each engine requests its own resources."""
+        engine takes the same bundle), or None: each engine requests its own resources. `log_dir`:
+        engine i's server writes `{log_dir}/{role}-{i}.log` (a restarted one appends to it), else a
+        temporary file removed when it stops."""
         on_gpu = rollout.engine == "sglang" or engine_cfg.device.startswith("cuda")
         own = {"num_cpus": 0, "num_gpus": rollout.engine_gpus if on_gpu else 0,
                "resources": dict(rollout.engine_resources)}
@@ -72,7 +75,8 @@ class EngineGroup:
         self._new = lambda i, cfg=engine_cfg: actor.options(**(placement.options(f"{role}-{i}") if placement else own)
                                                             ).remote(str(model_path), cfg, rollout.engine_threads,
                                                                      rollout.engine, self.api_key, shm_prefix,
-                                                                     [str(r) for r in weight_roots])
+                                                                     [str(r) for r in weight_roots],
+                                                                     f"{log_dir}/{role}-{i}.log" if log_dir else None)
         self._restart_cfg = engine_cfg.model_copy(update={"inject_errors": None})  # a drill's fault ends with it
         self.actors = [self._new(i) for i in range(rollout.num_engines)]
         self.urls: list[str] = ray.get([a.url.remote() for a in self.actors])

@@ -3,12 +3,14 @@ waits until it is healthy."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -37,6 +39,7 @@ class EngineProcess:
     url: str
     log_path: str
     api_key: str | None = None
+    scratch: str | None = None  # the server's TMPDIR (a released engine's weights go there): removed once it is gone
     _closed: bool = field(default=False, repr=False)
 
     def log_tail(self, n: int = 40) -> str:
@@ -57,6 +60,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._drop_scratch()
 
     def kill(self) -> None:
         """At once (SIGKILL, also to a stopped or hung process): an engine being replaced."""
@@ -64,6 +68,11 @@ class EngineProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
+        self._drop_scratch()
+
+    def _drop_scratch(self) -> None:
+        if self.scratch:
+            shutil.rmtree(self.scratch, ignore_errors=True)
 
     def __enter__(self) -> EngineProcess:
         return self
@@ -111,21 +120,29 @@ def launch_sglang(model: str, args: list[str], host: str = "127.0.0.1", port: in
 
 def _launch(cmd: list[str], host: str, port: int, env: dict, startup_timeout_s: float,
             log_path: str | None, api_key: str | None = None) -> EngineProcess:
-    log_path = log_path or tempfile.mkstemp(prefix="loongsage-engine-", suffix=".log")[1]
+    # The server's own temporary folder, removed when it stops or is killed (it may die with files
+    # there); its log goes there too unless a log_path is given.
+    scratch = tempfile.mkdtemp(prefix="loongsage-engine-")
+    env = dict(env, TMPDIR=scratch)
+    log_path = log_path or f"{scratch}/server.log"
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     logf = open(log_path, "ab")
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     logf.close()
-    ep = EngineProcess(proc, f"http://{host}:{port}", log_path, api_key)
+    ep = EngineProcess(proc, f"http://{host}:{port}", log_path, api_key, scratch)
     deadline = time.monotonic() + startup_timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with code {proc.returncode} during start-up:\n{ep.log_tail()}")
+            tail = ep.log_tail()
+            ep.stop()
+            raise RuntimeError(f"engine exited with code {proc.returncode} during start-up:\n{tail}")
         try:
             if httpx.get(f"{ep.url}/health", timeout=2.0, trust_env=False).status_code == 200:
                 return ep
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
+    tail = ep.log_tail()
     ep.stop()
-    raise TimeoutError(f"engine at {ep.url} not healthy after {startup_timeout_s}s:\n{ep.log_tail()}")
+    raise TimeoutError(f"engine at {ep.url} not healthy after {startup_timeout_s}s:\n{tail}")

@@ -31,14 +31,16 @@ def check_tokenizer(student_dir: str, teacher_dir: str, name: str) -> None:
                            "a teacher must score the student's exact token ids")
 
 
-async def launch_teacher_engines(cfg, dirs: list[str], shm_prefix: str, placement=None) -> list[EngineGroup]:
+async def launch_teacher_engines(cfg, dirs: list[str], shm_prefix: str, placement=None,
+                                 log_dir: str | None = None) -> list[EngineGroup]:
     """Engines for every teacher of `cfg.teachers` (Ray must be up; in their bundles of the run's
-    `placement` when it has them), all started at once; none left running if one fails."""
+    `placement` when it has them), all started at once, logging to `{log_dir}/teacher-{name}-{i}.log`;
+    none left running if one fails."""
     groups = await asyncio.gather(*[asyncio.to_thread(
         EngineGroup, d, t.engine, RolloutConfig(engine=t.kind, num_engines=t.num_engines, engine_threads=t.engine_threads,
                                                 engine_resources=t.resources),
         shm_prefix, (), placement if placement is not None and placement.has(f"teacher-{t.name}-0") else None,
-        f"teacher-{t.name}") for t, d in zip(cfg.teachers, dirs)], return_exceptions=True)
+        f"teacher-{t.name}", log_dir) for t, d in zip(cfg.teachers, dirs)], return_exceptions=True)
     failed = [g for g in groups if isinstance(g, BaseException)]
     if failed:
         for g in groups:
