@@ -98,6 +98,9 @@ def test_prefix_cache_finds_the_longest_prefix_and_the_oldest_entry():
     assert cache.lookup([1, 2, 3, 4], limit=10) == (4, 2)
     cache.clear()
     assert cache.lookup([1, 2, 9], limit=10) == (None, 0) and len(cache) == 0
+    short = PrefixCache(True, slots=2, context_len=8, min_tokens=3)  # a common prefix shorter than 3 is no hit
+    short.put(1, CacheEntry(np.array([1, 2, 3, 4]), used=1))
+    assert short.lookup([1, 2, 3, 9], limit=10) == (1, 3) and short.lookup([1, 2, 9], limit=10) == (None, 0)
 
 
 def test_engine_throughput_benchmark_runs_both_workloads(tmp_path):
@@ -116,3 +119,38 @@ def test_engine_throughput_benchmark_runs_both_workloads(tmp_path):
     assert not list(tmp_path.iterdir())
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["short_ratio"] > 0 and result["mixed_ratio"] > 0 and result["requests"] == 8, result
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_slot_attention_matches_plain_attention_on_every_path(window):
+    """Decode rows, same-length fresh prompts (one causal block), other fresh prompts (a pack) and a
+    prompt after a cached prefix, in one call, each against softmax attention over its own slot's K/V
+    (with a sliding window: only the last `window` positions)."""
+    import types
+
+    import torch
+
+    from loongsage.engine.kv_pool import BatchPlan, KVPool, Prefill, slot_attention
+
+    torch.manual_seed(0)
+    H, kvh, D = 4, 2, 8
+    pool = KVPool(1, 8, kvh, 16, D, torch.float32, "cpu")
+    pool.k[0].normal_()
+    pool.v[0].normal_()  # slots 0-1 decode at positions 5 and 9; slot 6 holds a cached prefix of 3 tokens
+    prefills = [Prefill(2, 6, 2, 0), Prefill(8, 6, 3, 0), Prefill(14, 6, 4, 0), Prefill(20, 4, 5, 0), Prefill(24, 5, 6, 3)]
+    plan = BatchPlan(2, torch.tensor([5, 9]), list(prefills))
+    assert [b.length for b in plan.blocks] == [6] and len(plan.packs) == 1 and len(plan.prefills) == 1
+    pool.plan = plan
+    module = types.SimpleNamespace(_loongsage_pool=pool, layer_idx=0, sliding_window=window)
+    q, k, v = torch.randn(1, H, 29, D), torch.randn(1, kvh, 29, D), torch.randn(1, kvh, 29, D)
+    out = slot_attention(module, q, k, v, None, scaling=D ** -0.5)[0][0]  # [29, H, D]
+    rows = [(0, 0, 5), (1, 1, 9)] + [(p.offset + i, p.slot, p.start + i) for p in prefills for i in range(p.length)]
+    for row, slot, pos in rows:
+        lo = max(0, pos - window + 1) if window else 0
+        keys = pool.k[0][slot, :, lo:pos + 1].repeat_interleave(H // kvh, 0)  # [H, n, D]: after the call's writes
+        values = pool.v[0][slot, :, lo:pos + 1].repeat_interleave(H // kvh, 0)
+        p = torch.softmax((q[0, :, row, None, :] * keys).sum(-1) * D ** -0.5, -1)  # [H, n]
+        expected = (p[..., None] * values).sum(1)
+        assert torch.allclose(out[row], expected, atol=1e-5), (row, slot, pos)
+    for p in prefills:  # the new tokens' K/V are in their slots
+        assert torch.equal(pool.k[0][p.slot, :, p.start:p.start + p.length], k[0, :, p.offset:p.offset + p.length])

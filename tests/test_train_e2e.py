@@ -64,6 +64,10 @@ def test_grpo_run_through_the_controller_raises_reward(ray_session, tmp_path, sh
     tracks = {e["tid"]: e["args"]["name"] for e in trace if e.get("ph") == "M"}
     startup = [e["name"] for e in trace if e.get("ph") == "X" and tracks[e["tid"]] == "start-up"]  # where it went
     assert startup == ["Ray", "placement group", "trainer ranks, engines", "TransferMesh", "data sources, rollouts"]
+    # no group is admitted while the held-out rows are evaluated (from before the weights they wait for)
+    evals = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and tracks[e["tid"]] == "eval"]
+    generating = [e["ts"] for e in trace if e.get("ph") == "X" and tracks[e["tid"]] == "engines: generate"]
+    assert len(evals) == 3 and not [t for t in generating for a, b in evals if a <= t <= b]
     if backend == "fsdp_colocated":  # every train step ran while the engine had released its memory
         released = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("name") == "released"]
         trains = [(e["ts"], e["ts"] + e["dur"]) for e in trace if e.get("ph") == "X" and e["name"].startswith("train ")]

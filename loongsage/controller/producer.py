@@ -68,6 +68,8 @@ class RolloutProducer:
         self.cursor_of: dict[int, int] = {}  # seq -> the sampler cursor of its prompt, until its fate
         self.ledger = None  # a PromptLedger (controller/ledger.py), or None
         self.skip: set[int] = set()  # cursors settled before the checkpoint a resumed run started from
+        self.admitting = asyncio.Event()  # cleared while a held-out evaluation has the engines (sources.py)
+        self.admitting.set()
         buffer.on_settle = self.settle  # evicted stale, or filtered when taken
 
     def settle(self, seq: int, fate: str, step: int | None = None) -> None:
@@ -94,6 +96,7 @@ class RolloutProducer:
     async def run(self) -> None:
         while True:
             await self.buffer.wait_for_room()
+            await self.admitting.wait()
             row, cursor = self.sampler.take(1)[0], self.sampler.taken - 1
             if cursor in self.skip:  # settled before the checkpoint this run resumed from
                 self.skip.discard(cursor)

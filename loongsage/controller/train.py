@@ -26,6 +26,7 @@ the synchronous schedule, by the same code path. Groups found stale anyway are e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -52,7 +53,7 @@ from loongsage.controller.runtime import (
     record_transfer_plan,
     remove_crashed_shm,
 )
-from loongsage.controller.sources import evaluate_sources, source_metrics, start_sources, stratify
+from loongsage.controller.sources import admissions_held, evaluate_sources, source_metrics, start_sources, stratify
 from loongsage.controller.supervisor import EngineSupervisor, Fleet, recover_weight_update
 from loongsage.metrics import MetricsWriter, read_metrics, truncate_metrics
 from loongsage.rollout.engine_times import ENGINE_SPLIT, EngineTimes
@@ -171,12 +172,13 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
                 evaluate_now = step % cfg.train.eval_every == 0 or step == cfg.train.steps
                 out_of_time = cfg.train.max_minutes and time.perf_counter() - t_start > 60 * cfg.train.max_minutes
                 if evaluate_now or out_of_time or (cfg.train.save_every and step % cfg.train.save_every == 0):
-                    record, pending = await _delivered(pending), None  # the engines serve version `step`
-                    if evaluate_now:
-                        t_eval = time.perf_counter()
-                        with timeline.span("eval", f"eval {step}"):
-                            record.update(await evaluate_sources(sources, cfg.train.eval_temperature))
-                        record["time/eval_s"] = time.perf_counter() - t_eval
+                    with admissions_held(sources) if evaluate_now else contextlib.nullcontext():
+                        record, pending = await _delivered(pending), None  # the engines serve version `step`
+                        if evaluate_now:
+                            t_eval = time.perf_counter()
+                            with timeline.span("eval", f"eval {step}"):
+                                record.update(await evaluate_sources(sources, cfg.train.eval_temperature))
+                            record["time/eval_s"] = time.perf_counter() - t_eval
                     await _finish(record, clock, metrics, bar, task, timeline)
                     if cfg.train.save_every and step % cfg.train.save_every == 0:
                         await save_checkpoint(run_dir, f"step_{step}", controller_state(step, cfg, sources, ledger),

@@ -61,6 +61,7 @@ class EngineCore:
         max_prefill_tokens: int = 4096,
         weight_version: int = 0,
         enable_prefix_cache: bool = True,
+        prefix_cache_min_tokens: int = 16,
     ):
         self.model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -72,7 +73,7 @@ class EngineCore:
         self.weight_version = int(weight_version)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.cache = PrefixCache(enable_prefix_cache, max_running, self.runner.context_length)
+        self.cache = PrefixCache(enable_prefix_cache, max_running, self.runner.context_length, prefix_cache_min_tokens)
         self.paused = False
         self.stats = EngineStats()
         self._tick = 0

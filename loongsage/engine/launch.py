@@ -31,6 +31,7 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
         model, dtype=cfg.dtype, device=cfg.device, max_running=cfg.max_running,
         context_length=cfg.context_length, max_prefill_tokens=cfg.max_prefill_tokens,
         weight_version=cfg.weight_version, enable_prefix_cache=cfg.prefix_cache,
+        prefix_cache_min_tokens=cfg.prefix_cache_min_tokens,
     )
     app = create_app(core, security=security, host=host, inject_errors=cfg.inject_errors)
     freeze_long_lived()  # model, tokenizer, server: out of the cyclic GC's full passes (heap.py)

@@ -21,8 +21,9 @@ class CacheEntry:
 
 
 class PrefixCache:
-    def __init__(self, enabled: bool = True, slots: int = 0, context_len: int = 0):
+    def __init__(self, enabled: bool = True, slots: int = 0, context_len: int = 0, min_tokens: int = 1):
         self.enabled = enabled
+        self.min_tokens = min_tokens  # a shorter common prefix is not a hit
         self.entries: dict[int, CacheEntry] = {}  # slot -> entry
         self._table = np.zeros((slots, context_len), dtype=np.int64)
         self._lengths = np.zeros(slots, dtype=np.int64)  # 0 where a slot holds no entry
@@ -65,7 +66,8 @@ class PrefixCache:
         return int(free[-1]) + above + 1 if free.size else None
 
     def lookup(self, ids: list[int], limit: int) -> tuple[int | None, int]:
-        """(slot, length) of the longest cached prefix of `ids` no longer than `limit`, or (None, 0)."""
+        """(slot, length) of the longest cached prefix of `ids` no longer than `limit`, or (None, 0)
+        when it is shorter than `min_tokens`."""
         m = min(limit, len(ids), self._table.shape[1])
         if not self.entries or m <= 0:
             return None, 0
@@ -73,4 +75,4 @@ class PrefixCache:
         common = np.where(equal.all(axis=1), m, equal.argmin(axis=1))
         common = np.minimum(common, self._lengths)
         best = int(common.argmax())
-        return (best, int(common[best])) if common[best] > 0 else (None, 0)
+        return (best, int(common[best])) if common[best] >= max(self.min_tokens, 1) else (None, 0)
