@@ -4,6 +4,7 @@ openai SDK, plus ones that crash, hang, print garbage, flood their output or nev
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
 import sys
 import tempfile
@@ -292,6 +293,7 @@ def test_loongsage_serve(tool_model, tmp_path):
     from loongsage.rollout.launcher import free_port
 
     port = free_port()
+    scratch = set(glob.glob(f"{tempfile.gettempdir()}/loongsage-engine-*"))
     proc = subprocess.Popen([sys.executable, "-m", "loongsage.cli", "serve", "--model", tool_model, "--port", str(port),
                              "--record-dir", str(tmp_path), "--context-length", "512"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -312,6 +314,8 @@ def test_loongsage_serve(tool_model, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    assert proc.returncode == 143  # stopped through Python: its engine was stopped and its folder removed
+    assert set(glob.glob(f"{tempfile.gettempdir()}/loongsage-engine-*")) == scratch
     (line,) = [json.loads(x) for x in (tmp_path / "calls.jsonl").read_text().splitlines()]
     assert line["session"] == "carol" and line["weight_version"] == 0
     assert len(line["output_ids"]) == len(line["output_logprobs"]) == r.usage.completion_tokens

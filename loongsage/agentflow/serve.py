@@ -11,7 +11,6 @@ import secrets
 from contextlib import nullcontext
 from pathlib import Path
 
-import uvicorn
 from rich.console import Console
 from transformers import AutoTokenizer
 
@@ -19,6 +18,7 @@ from loongsage.agentflow.chat_tokens import ChatTokens
 from loongsage.agentflow.gateway import Gateway
 from loongsage.agentflow.llm import PolicyLLM
 from loongsage.agentflow.sessions import CallRecorder, SessionStore
+from loongsage.http_server import run_server
 from loongsage.rollout.launcher import launch_engine
 from loongsage.rollout.router import Router
 
@@ -47,4 +47,4 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8000, record_dir: str
                       + (f"; recording to {recorder.path}" if recorder else ""))
         console.print(f"  OPENAI_BASE_URL=http://{host}:{port}/v1 OPENAI_API_KEY=<any name for the session>")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        uvicorn.run(gateway.app(), host=host, port=port, log_level="warning", timeout_keep_alive=60)
+        run_server(gateway.app(), host=host, port=port, log_level="warning", timeout_keep_alive=60)

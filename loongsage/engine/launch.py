@@ -6,7 +6,6 @@ import os
 import sys
 
 import torch
-import uvicorn
 
 from loongsage.cluster.network import is_loopback
 from loongsage.engine.config import EngineConfig
@@ -14,6 +13,7 @@ from loongsage.engine.core import EngineCore
 from loongsage.engine.security import API_KEY_ENV, EngineSecurity
 from loongsage.engine.server import create_app, release
 from loongsage.heap import freeze_long_lived
+from loongsage.http_server import run_server
 
 
 def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = "warning",
@@ -40,8 +40,8 @@ def serve(model: str, host: str, port: int, cfg: EngineConfig, log_level: str = 
           f"{torch.get_num_threads()} threads, max_running {cfg.max_running}, context {cfg.context_length}",
           file=sys.stderr, flush=True)  # the first line of its log: which server this was
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
-                    timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)
+        run_server(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                   timeout_keep_alive=60)  # well above clients' idle keep-alive (see rollout/client.py)
     finally:
         release(app)
         core.shutdown()
