@@ -79,12 +79,13 @@ async def train(cfg: RunConfig, resume: bool = False) -> dict:
     t_start = timeline.t0  # wall clock from here includes start-up (Ray, engines), not the bootstraps
     tok = AutoTokenizer.from_pretrained(base)
     remove_crashed_shm(run_dir)
+    logs = str(run_dir / "logs")  # the engines' servers' logs
     rt = await Runtime.start(str(ckpt or base), cfg.trainer, cfg.engine, cfg.rollout, cfg.ray,
                              with_reference=cfg.algo.loss.kl_coef > 0, transfer=cfg.transfer, reference_dir=str(base),
                              placement=cfg.placement, teachers=cfg.teachers,
                              launch_teachers=functools.partial(launch_teacher_engines, cfg, teacher_dirs,
-                                                               log_dir=str(run_dir / "logs")) if cfg.teachers else None,
-                             log_dir=str(run_dir / "logs"))  # teachers' engines start beside the run's own
+                                                               log_dir=logs) if cfg.teachers else None,
+                             log_dir=logs)  # teachers' engines start beside the run's own
     start = 0 if state is None else state.step
     for phase, t0, t1 in rt.startup:
         timeline.add("start-up", phase, t0, t1)

@@ -117,12 +117,7 @@ class BatchPlan:
         """None where a causal mask is all a block needs (no sliding window shorter than it)."""
         if not window or window >= length:
             return None
-        key = ("block", length, window)
-        if key not in self._masks:
-            rows = torch.arange(length, device=device)[:, None]
-            cols = torch.arange(length, device=device)[None, :]
-            self._masks[key] = (cols <= rows) & (cols > rows - window)
-        return self._masks[key]
+        return self.prefill_mask(Prefill(0, length, -1, 0), window, device)  # a fresh prefill's mask
 
     def prefill_mask(self, p: Prefill, window: int | None, device) -> torch.Tensor:
         key = (p.length, p.start, window)
