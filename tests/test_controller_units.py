@@ -209,3 +209,33 @@ def test_runs_that_differ_only_in_agent_timeout_or_output_cap_share_one_base_pol
     assert base_policy_dir(load_config("recipes/calc_agent_blackbox.yaml", base + same)) == key
     for other in ("agent.limits.max_turns=2", "agent.limits.max_tokens=400"):
         assert base_policy_dir(load_config("recipes/calc_agent_blackbox.yaml", base + [other])) != key
+
+
+def test_closing_a_runtime_runs_every_step_when_one_fails(tmp_path):
+    """A dead trainer fails the TransferMesh's close: the engines must still stop and the run's
+    temporary weights folder go, and the failure still reaches the caller."""
+    from loongsage.controller.runtime import Runtime
+
+    done: list[str] = []
+
+    class Part:
+        def __init__(self, name: str, fail: bool = False):
+            self.name, self.fail = name, fail
+
+        async def aclose(self):
+            done.append(self.name)
+            if self.fail:
+                raise RuntimeError(f"{self.name} failed")
+
+        def shutdown(self):
+            done.append(self.name)
+
+    weights = tmp_path / "loongsage-weights-x"
+    weights.mkdir()
+    rt = Runtime(trainers=Part("trainers"), engines=Part("engines"), router=Part("router"),
+                 sync=Part("sync", fail=True), ray_started=False, reference=Part("reference"),
+                 temp_weights_dir=str(weights), teacher_engines=[Part("teacher")])
+    with pytest.raises(RuntimeError, match="sync failed"):
+        asyncio.run(rt.close())
+    assert done == ["router", "sync", "teacher", "engines", "trainers", "reference"]
+    assert not weights.exists()

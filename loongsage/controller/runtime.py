@@ -203,17 +203,27 @@ class Runtime:
             await self.sync.push(await self.trainers.version())
 
     async def close(self) -> None:
-        await self.router.aclose()
-        await self.sync.aclose()
-        for group in self.teacher_engines or ():  # not taken by a Teacher Manager (it stops its own)
-            group.shutdown()
-        self.engines.shutdown()
-        self.trainers.shutdown()
+        """Every step runs even when an earlier one fails (a dead trainer fails the TransferMesh's
+        close, yet the engines must still stop and the run's temporary folder go); the first
+        failure is raised at the end."""
+        steps: list[Callable[[], object]] = [self.router.aclose, self.sync.aclose,
+                                             *(g.shutdown for g in self.teacher_engines or ()),  # not taken by a manager
+                                             self.engines.shutdown, self.trainers.shutdown]
         if self.reference is not None:
-            self.reference.shutdown()
+            steps.append(self.reference.shutdown)
         if self.placement is not None:
-            self.placement.remove()
+            steps.append(self.placement.remove)
         if self.ray_started:
-            ray.shutdown()
+            steps.append(ray.shutdown)
         if self.temp_weights_dir:
-            shutil.rmtree(self.temp_weights_dir, ignore_errors=True)
+            steps.append(functools.partial(shutil.rmtree, self.temp_weights_dir, ignore_errors=True))
+        first: BaseException | None = None
+        for step in steps:
+            try:
+                out = step()
+                if asyncio.iscoroutine(out):
+                    await out
+            except Exception as exc:  # the rest still runs; the first is raised below
+                first = first or exc
+        if first is not None:
+            raise first
