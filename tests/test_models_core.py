@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loongsage.engine.core import EngineCore
-from loongsage.engine.sampling import SamplingParams, sample
+from loongsage.engine.sampling import SamplingParams, sample, seeded_uniforms
 from loongsage.engine.sequence import SeqRequest
 from loongsage.models.config import TinyModelSpec
 from loongsage.models.factory import build_tiny_model
@@ -70,17 +70,39 @@ def test_factory_is_deterministic_and_the_core_matches_transformers(tmp_path, ar
 
 def test_sampling_filters_row_by_row():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]))
-    params = [SamplingParams(top_k=1), SamplingParams(top_p=0.6), SamplingParams(temperature=0.0)]
+    params = [SamplingParams(top_k=1, sampling_seed=0), SamplingParams(top_p=0.6, sampling_seed=1),
+              SamplingParams(temperature=0.0, sampling_seed=2)]
     seen = [set(), set(), set()]
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    for _ in range(200):
-        res = sample(logits, params, gens)
+    for k in range(200):
+        res = sample(logits, params, [k] * 3)
         for i in range(3):
             seen[i].add(int(res.tokens[i]))
     assert seen[0] == {0} and seen[1] == {0, 1} and seen[2] == {0}
-    res = sample(logits, [SamplingParams(temperature=2.0)] * 3, [None] * 3, top_logprobs_num=2)
+    res = sample(logits, [SamplingParams(temperature=2.0)] * 3, top_logprobs_num=2)
     expected = torch.log_softmax(logits / 2.0, -1).gather(1, res.tokens[:, None]).squeeze(1)
     assert torch.allclose(res.logprobs, expected) and res.top_ids.shape == (3, 2)
+
+
+def test_a_seeded_draw_depends_on_its_seed_and_token_index_alone_and_follows_the_distribution():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = torch.log(p).repeat(4, 1)
+    seeded = [SamplingParams(sampling_seed=s) for s in (11, 12, 13)]
+    counts = torch.zeros(4)
+    for k in range(3000):
+        a = sample(logits[:3], seeded, [k, k, k]).tokens
+        # the same rows elsewhere in a batch, beside an unseeded row: the same tokens
+        b = sample(logits, [SamplingParams(), *reversed(seeded)], [0, k, k, k]).tokens
+        assert b[1:].flip(0).tolist() == a.tolist()
+        counts += torch.bincount(a, minlength=4)
+    freq = counts / counts.sum()
+    assert (freq - p).abs().max() < 0.02, freq  # 9000 draws: a standard error of <= 0.0053
+    tokens = [int(sample(logits[:1], seeded[:1], [k]).tokens[0]) for k in range(40)]
+    assert len(set(tokens)) > 1  # each token index draws anew
+    again = [int(sample(logits[:1], seeded[:1], [k]).tokens[0]) for k in range(40)]
+    assert tokens == again
+    u = seeded_uniforms(torch.full((4000,), 5), torch.arange(4000))
+    assert bool(((u > 0) & (u < 1)).all()) and abs(u.mean().item() - 0.5) < 0.02 and abs(u.var().item() - 1 / 12) < 0.005
+    assert torch.equal(u[:10], seeded_uniforms(torch.full((10,), 5), torch.arange(10)))
 
 
 def test_bfloat16_engine_runs_and_stays_close(tmp_path):

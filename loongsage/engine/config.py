@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+PREFIX_CACHE_MIN_TOKENS = 16  # EngineCore's default too
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -16,9 +18,9 @@ class EngineConfig(BaseModel):
     max_prefill_tokens: int = Field(4096, ge=1, description="prefill budget per scheduler step")
     threads: int | None = Field(None, ge=1, description="torch threads in the engine process")
     prefix_cache: bool = True
-    prefix_cache_min_tokens: int = Field(16, ge=1, description="embedded engine: shortest cached prefix reused (a "
-                                         "shorter one costs more to move between slots than its prefill, and keeps the "
-                                         "prompt out of the batched prefill of fresh prompts); SGLang reuses any")
+    prefix_cache_min_tokens: int = Field(PREFIX_CACHE_MIN_TOKENS, ge=1, description=(
+        "embedded engine: shortest cached prefix reused (a shorter one costs more to move between slots than its "
+        "prefill, and keeps the prompt out of the batched prefill of fresh prompts); SGLang reuses any"))
     weight_version: int = Field(0, ge=0, description="the version the engine reports for its initial weights")
     cpu_affinity: list[int] | None = Field(None, description="pin the engine process to these CPU cores (Linux)")
     inject_errors: str | None = Field(None, pattern=r"^\d+:\d+$", description="fault injection (reliability tests, "

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from loongsage.engine.config import PREFIX_CACHE_MIN_TOKENS
 from loongsage.engine.kv_pool import BatchPlan, Prefill
 from loongsage.engine.model_runner import ModelRunner
 from loongsage.engine.prefix_cache import CacheEntry, PrefixCache
@@ -61,7 +62,7 @@ class EngineCore:
         max_prefill_tokens: int = 4096,
         weight_version: int = 0,
         enable_prefix_cache: bool = True,
-        prefix_cache_min_tokens: int = 16,
+        prefix_cache_min_tokens: int = PREFIX_CACHE_MIN_TOKENS,
     ):
         self.model_path = str(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -262,7 +263,7 @@ class EngineCore:
         top_n = max((s.req.top_logprobs_num for s in self.running if s.req.return_logprob), default=0)
         params = [s.req.params for s in self.running]
         t_sample = time.perf_counter()
-        result = sample(logits[sample_rows], params, [s.generator for s in self.running], top_n)
+        result = sample(logits[sample_rows], params, [len(s.output_ids) for s in self.running], top_n)
         t_post = time.perf_counter()
         new_tokens, new_logprobs = result.tokens.tolist(), result.logprobs.tolist()  # not one tensor read a row
         version = self.weight_version
@@ -353,7 +354,7 @@ class EngineCore:
     def _admit(self) -> None:
         """Fills free slots from the queue within the prefill budget. A sequence whose prompt equals
         one admitted in this step (a group's n samples) shares it: it prefills nothing, gets a copy of
-        the first one's K/V and samples its first token from the same logits with its own generator."""
+        the first one's K/V and samples its first token from the same logits with its own seed."""
         budget = self.max_prefill_tokens
         leaders: dict[tuple, Sequence] = {}
         self._fill_to = min(len(self.running) + len(self.waiting), self.max_running)

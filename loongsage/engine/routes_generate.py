@@ -150,7 +150,8 @@ def _expand(req: S.GenerateRequest, core: EngineCore) -> tuple[list[SeqRequest],
         for j in range(sp_in.n):
             p = params
             if sp_in.n > 1 and params.sampling_seed is not None:
-                p = type(params)(**{**params.__dict__, "sampling_seed": params.sampling_seed + j})
+                seed = (params.sampling_seed + j + 2**63) % 2**64 - 2**63  # sample j: seed + j, within 64 bits
+                p = type(params)(**{**params.__dict__, "sampling_seed": seed})
             out.append(SeqRequest(
                 rid=base if sp_in.n == 1 else f"{base}-{j}", group_rid=req.rid if isinstance(req.rid, str) else base,
                 input_ids=list(ids), params=p,

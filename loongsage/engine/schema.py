@@ -33,7 +33,7 @@ class SamplingParamsIn(Strict):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(1, ge=1, le=1024)
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # a 64-bit integer (sampling.py hashes it)
 
     @field_validator("top_k")
     @classmethod

@@ -5,8 +5,6 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from loongsage.engine.sampling import SamplingParams
 
 
@@ -79,12 +77,7 @@ class Sequence:
     slot: int = -1
     cached_tokens: int = 0
     finish: Finish | None = None
-    generator: torch.Generator | None = None
     share_from: Sequence | None = None  # admitted with an equal prompt: copies its K/V (core._admit)
-
-    def __post_init__(self) -> None:
-        if self.req.params.sampling_seed is not None:
-            self.generator = torch.Generator().manual_seed(self.req.params.sampling_seed)
 
     @property
     def last_token(self) -> int:

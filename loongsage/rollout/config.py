@@ -74,8 +74,9 @@ class RolloutConfig(BaseModel):
         "how engines hold in-flight requests during a weight update; default in_place for the embedded engine, "
         "abort for SGLang (which reports no per-token versions: a request must not run across an update)"))
     seeded_sampling: bool = Field(False, description="a sampling seed per prompt instance (single-turn rollouts), so "
-                                  "that a resumed run samples what the interrupted one would have; costs the embedded "
-                                  "engine a per-row noise draw (~1 ms per 256-row decode step on CPU)")
+                                  "that a resumed run samples what the interrupted one would have, and a rerun repeats "
+                                  "(the embedded engine's draws depend on seed and token index alone; ~0.1 ms per "
+                                  "256-row decode step on CPU)")
     abort_retries: int = Field(2, ge=0, description="times a request the system aborted (not cancelled) is continued "
                                "from its tokens so far; still aborted, its group is masked (samples/aborted_by_system)")
     coalesce_prompts: int = Field(0, ge=0, description=(
