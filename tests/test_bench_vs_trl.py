@@ -28,6 +28,7 @@ def test_each_workload_is_a_valid_run_with_its_own_schedule(vs_trl):
         cfg = load_config(work["recipe"], [f"train.steps={work['max_steps']}", *work["schedule"]])
         schedules[name] = cfg.rollout.max_staleness
         assert cfg.rollout.coalesce_prompts == 64  # a step's group requests go out as one
+        assert cfg.rollout.seeded_sampling  # a seed's run repeats, as TRL's seeded one does
         assert cfg.train.steps == work["max_steps"] and work["max_steps"] % work["eval_every"] == 0
     assert schedules == {"short": 0, "long": 1}  # the choices the module docstring explains
     long = load_config(vs_trl.WORKLOADS["long"]["recipe"])
@@ -40,6 +41,35 @@ def test_the_comparison_point_is_the_first_eval_at_the_target_or_the_last_step(v
     assert vs_trl.reached(curve, 0.50, 40) is None  # never reached: no ratio
     assert vs_trl.reached(curve, None, 40) == (40, 65.0, 0.45)  # equal work: after the steps
     assert vs_trl.reached(curve[:-1], None, 40) is None  # a run that stopped early did not do the work
+
+
+def test_each_seed_starts_from_the_same_base_and_the_medians_decide(vs_trl, tmp_path):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    work = vs_trl.WORKLOADS["short"]
+    common = vs_trl.run_overrides(work, 40, 10, 0.4, ["trainer.lr=2e-4"])
+    cfg = load_config(work["recipe"], [*common, *vs_trl.seeded_overrides(str(base), 7)])
+    assert (cfg.seed, cfg.model.path, cfg.bootstrap.enabled) == (7, str(base), False)  # no bootstrap per seed
+    assert cfg.trainer.lr == 2e-4 and cfg.train.target_accuracy == 0.4 and cfg.train.steps == 40
+    assert vs_trl.without_option(["--workload", "short", "--seeds", "0,1", "--seeds=3", "x=1"], "--seeds") == [
+        "--workload", "short", "x=1"]
+
+    def run(seed, ls_curve, ls_imports, trl_curve, trl_imports):
+        per_step = {"step_s": 0.3, "generate_s": 0.1, "train_s": 0.2}
+        return {"seed": seed, "loongsage": {"curve": ls_curve, "imports_s": ls_imports, "per_step": per_step},
+                "trl": {"curve": trl_curve, "imports_s": trl_imports, "per_step": per_step}}
+    runs = [run(0, [(10, 20.0, 0.3), (20, 30.0, 0.41)], 5.0, [(10, 20.0, 0.41)], 10.0),
+            run(1, [(10, 20.0, 0.42)], 5.0, [(10, 20.0, 0.2), (20, 40.0, 0.45)], 10.0),
+            run(2, [(10, 20.0, 0.2), (20, 30.0, 0.3), (30, 60.0, 0.40)], 6.0, [(10, 30.0, 0.4)], 12.0)]
+    out = vs_trl.summarize("short", 0.4, 40, "sync", runs)
+    assert (out["loongsage_s"], out["trl_s"], out["ratio"]) == (30.0, 30.0, 1.0)  # medians of 30/20/60 and 20/40/30
+    assert (out["loongsage_steps"], out["trl_steps"]) == (20, 10)
+    assert out["ratio_after_imports"] == round(18.0 / 25.0, 3)  # medians of 10/30/18 and 25/15/54
+    assert out["runs"][2]["loongsage_point"] == (30, 60.0, 0.40)
+    runs[1]["trl"]["curve"] = [(40, 80.0, 0.39)]  # one seed short of the target: no median, no ratio
+    out = vs_trl.summarize("short", 0.4, 40, "sync", runs)
+    assert out["trl_s"] is None and out["ratio"] is None and out["loongsage_s"] == 30.0
 
 
 def test_opd_vs_rl_distils_purely_from_the_rl_policy_and_times_a_smoothed_reach_of_the_target(tmp_path):

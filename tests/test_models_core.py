@@ -122,3 +122,11 @@ def test_bfloat16_engine_runs_and_stays_close(tmp_path):
     diffs = [abs(lp[2 + j, t].item() - snap.output_logprobs[j]) for j, t in enumerate(snap.output_ids)]
     assert 0 < max(diffs) < 0.1  # a real but small train-inference gap
     time.sleep(0)
+
+
+def test_a_sampling_seed_beyond_64_bits_is_a_clear_request_error():
+    from loongsage.engine.schema import RequestError, parse_sampling
+
+    assert parse_sampling({"sampling_seed": 2**63 - 1}).sampling_seed == 2**63 - 1
+    with pytest.raises(RequestError, match="sampling_seed"):
+        parse_sampling({"sampling_seed": 2**64})
