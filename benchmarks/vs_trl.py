@@ -131,7 +131,7 @@ def run_trl(cfg, base: str, target: float | None, max_steps: int, eval_every: in
 
     loss = cfg.algo.loss
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), use_cpu=True, bf16=False, report_to="none",
+        output_dir=f"{cfg.run_dir}/trl", use_cpu=True, bf16=False, report_to="none",
         save_strategy="no", logging_steps=50, seed=cfg.seed, max_steps=max_steps,
         per_device_train_batch_size=cfg.rollout.prompts_per_step * cfg.sampling.n, num_generations=cfg.sampling.n,
         max_completion_length=cfg.sampling.max_new_tokens, temperature=cfg.sampling.temperature,
@@ -301,11 +301,11 @@ def main() -> None:
 
     from loongsage.config import load_config
 
-    if args.child:
-        cfg = load_config(recipe, [f"run_dir={tempfile.mkdtemp(prefix='bench-loongsage-')}", *common,
-                                   *seeded_overrides(args.base, args.seed)])
-        result = (run_loongsage(cfg, args.spawned_at) if args.child == "loongsage"
-                  else run_trl(cfg, args.base, target, max_steps, eval_every, args.spawned_at))
+    if args.child:  # its run folder (LoongSage's run directory, TRL's output) goes when it ends
+        with tempfile.TemporaryDirectory(prefix=f"bench-{args.child}-") as run_dir:
+            cfg = load_config(recipe, [f"run_dir={run_dir}", *common, *seeded_overrides(args.base, args.seed)])
+            result = (run_loongsage(cfg, args.spawned_at) if args.child == "loongsage"
+                      else run_trl(cfg, args.base, target, max_steps, eval_every, args.spawned_at))
         print("RESULT " + json.dumps(result), flush=True)
         return
 
