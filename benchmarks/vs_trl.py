@@ -230,8 +230,9 @@ def summarize(workload: str, target: float | None, max_steps: int, schedule: str
     a framework that missed the target on any seed has no median (and the ratio is None)."""
     out: dict = {"workload": workload, "target_accuracy": target, "seeds": [r["seed"] for r in runs],
                  "loongsage_schedule": schedule}
+    reach = {name: [reached(r[name]["curve"], target, max_steps) for r in runs] for name in ("loongsage", "trl")}
     for name in ("loongsage", "trl"):
-        points = [reached(r[name]["curve"], target, max_steps) or (None, None, None) for r in runs]
+        points = [p or (None, None, None) for p in reach[name]]
         out[f"{name}_s"] = median_of([p[1] for p in points])
         out[f"{name}_steps"] = median_of([p[0] for p in points])
         out[f"{name}_accuracy"] = median_of([p[2] for p in points])
@@ -244,8 +245,8 @@ def summarize(workload: str, target: float | None, max_steps: int, schedule: str
     for name in ("loongsage", "trl"):
         steps = [r[name]["per_step"] for r in runs]
         out[f"{name}_per_step"] = {k: median_of([s[k] for s in steps]) for k in steps[0]}
-    out["runs"] = [{"seed": r["seed"], **{f"{n}_point": reached(r[n]["curve"], target, max_steps) for n in ("loongsage", "trl")},
-                    **{f"{n}_imports_s": r[n]["imports_s"] for n in ("loongsage", "trl")}} for r in runs]
+    out["runs"] = [{"seed": r["seed"], **{f"{n}_point": reach[n][i] for n in ("loongsage", "trl")},
+                    **{f"{n}_imports_s": r[n]["imports_s"] for n in ("loongsage", "trl")}} for i, r in enumerate(runs)]
     return out
 
 
